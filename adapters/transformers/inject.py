@@ -1,0 +1,60 @@
+"""Consumer side: inject prefix KV into a transformers cache and continue (logits or generation)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from scd_store.codecs.kv_state import KVState
+
+
+def build_cache(model: torch.nn.Module, state: KVState | None) -> DynamicCache:
+    """A transformers cache holding ``state`` (empty when ``state`` is None), on the model's device and dtype."""
+    cache = DynamicCache(config=model.config)
+    if state is None:
+        return cache
+    config = model.config
+    expected = (config.num_hidden_layers, config.num_key_value_heads, getattr(config, "head_dim", None)
+                or config.hidden_size // config.num_attention_heads)
+    got = (state.num_layers, state.num_kv_heads, state.head_dim)
+    if got != expected:
+        raise ValueError(f"KV of shape (layers, kv_heads, head_dim) = {got} does not fit this model {expected}")
+    param = next(model.parameters())
+    for i in range(state.num_layers):
+        k = state.keys[i].to(device=param.device, dtype=param.dtype)[None]
+        v = state.values[i].to(device=param.device, dtype=param.dtype)[None]
+        cache.update(k, v, i)
+    return cache
+
+
+@torch.no_grad()
+def continue_with_prefix(model: torch.nn.Module, state: KVState | None, input_ids: torch.Tensor) -> torch.Tensor:
+    """Logits ``[T, V]`` of ``input_ids`` (1-D) following the prefix held in ``state``.
+
+    With ``state=None`` the tokens are run with no prefix at all (positions from 0).
+    """
+    if input_ids.dim() != 1 or input_ids.numel() == 0:
+        raise ValueError(f"input_ids must be a non-empty 1-D tensor of token ids, got shape {tuple(input_ids.shape)}")
+    cache = build_cache(model, state)
+    device = next(model.parameters()).device
+    out = model(input_ids=input_ids.to(device)[None], cache=cache, use_cache=True)
+    return out.logits[0]
+
+
+@torch.no_grad()
+def generate_greedy(model: torch.nn.Module, state: KVState | None, input_ids: torch.Tensor,
+                    max_new_tokens: int, eos_token_id: int | None = None) -> list[int]:
+    """Greedy generation after the prefix in ``state`` and the prompt tail ``input_ids``."""
+    if max_new_tokens <= 0:
+        return []
+    cache = build_cache(model, state)
+    device = next(model.parameters()).device
+    logits = model(input_ids=input_ids.to(device)[None], cache=cache, use_cache=True).logits[0, -1]
+    generated: list[int] = []
+    for _ in range(max_new_tokens):
+        token = int(logits.argmax())
+        generated.append(token)
+        if eos_token_id is not None and token == eos_token_id:
+            break
+        logits = model(input_ids=torch.tensor([[token]], device=device), cache=cache, use_cache=True).logits[0, -1]
+    return generated

@@ -1,0 +1,61 @@
+"""The one face between engines and codecs: a single sequence's KV cache (and hidden states)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(slots=True)
+class KVState:
+    """One sequence's prefix state, as the model caches it.
+
+    ``keys`` and ``values`` are ``[num_layers, num_kv_heads, num_tokens, head_dim]``; keys are
+    post-RoPE at positions ``0..num_tokens-1``. ``hidden`` optionally maps a layer index to that
+    layer's normalised pre-attention input ``H_in`` of shape ``[num_tokens, hidden_size]``.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.keys.dim() != 4:
+            raise ValueError(f"keys must be [layers, kv_heads, tokens, head_dim], got shape {tuple(self.keys.shape)}")
+        if self.keys.shape != self.values.shape:
+            raise ValueError(f"keys {tuple(self.keys.shape)} and values {tuple(self.values.shape)} differ in shape")
+        if self.keys.dtype != self.values.dtype or self.keys.device != self.values.device:
+            raise ValueError("keys and values must share dtype and device")
+        if not self.keys.is_floating_point():
+            raise ValueError(f"keys must be floating point, got {self.keys.dtype}")
+        for layer, h in self.hidden.items():
+            if not 0 <= layer < self.num_layers:
+                raise ValueError(f"hidden state for layer {layer} outside 0..{self.num_layers - 1}")
+            if h.dim() != 2 or h.shape[0] != self.num_tokens:
+                raise ValueError(f"hidden state of layer {layer} must be [{self.num_tokens}, hidden], "
+                                 f"got {tuple(h.shape)}")
+
+    @property
+    def num_layers(self) -> int:
+        return self.keys.shape[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.keys.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.keys.shape[3]
+
+    def fp16_bytes(self) -> int:
+        """Bytes this KV takes as raw fp16: the reference for payload ratios."""
+        return 2 * self.keys.numel() * 2
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> KVState:
+        hidden = {i: h.to(device=device, dtype=dtype) for i, h in self.hidden.items()}
+        return KVState(self.keys.to(device=device, dtype=dtype), self.values.to(device=device, dtype=dtype), hidden)

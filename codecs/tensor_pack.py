@@ -1,0 +1,98 @@
+"""A self-describing, pickle-free container for named tensors.
+
+Layout (little-endian)::
+
+    b"SCDP" | u16 version | u32 header length | header JSON (utf-8) | pad to 16 | tensor bytes...
+
+The JSON header holds the codec id, codec metadata and, per tensor, its dtype, shape, byte
+offset (from the start of the data section) and byte length. Each tensor starts 16-byte aligned.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+import torch
+
+MAGIC = b"SCDP"
+VERSION = 1
+_PREFIX = struct.Struct("<4sHI")
+_ALIGN = 16
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+class PayloadError(ValueError):
+    """A payload is malformed, truncated, of another version or of another codec."""
+
+
+def _pad(n: int) -> int:
+    return (-n) % _ALIGN
+
+
+def pack(codec_id: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bytes:
+    """Serialise named tensors with codec metadata into one byte string."""
+    entries, blobs, offset = [], [], 0
+    for name, tensor in tensors.items():
+        if tensor.dtype not in _NAMES:
+            raise TypeError(f"tensor {name!r}: unsupported dtype {tensor.dtype}")
+        data = tensor.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
+        entries.append({"name": name, "dtype": _NAMES[tensor.dtype], "shape": list(tensor.shape),
+                        "offset": offset, "nbytes": len(data)})
+        blobs.append(data + b"\0" * _pad(len(data)))
+        offset += len(data) + _pad(len(data))
+    header = json.dumps({"codec": codec_id, "meta": meta, "tensors": entries}, separators=(",", ":")).encode()
+    prefix = _PREFIX.pack(MAGIC, VERSION, len(header))
+    head = prefix + header
+    return head + b"\0" * _pad(len(head)) + b"".join(blobs)
+
+
+def unpack(payload: bytes | bytearray | memoryview, codec_id: str | None = None
+           ) -> tuple[str, dict[str, Any], dict[str, torch.Tensor]]:
+    """Parse a payload; tensors are returned on CPU. Raises :class:`PayloadError` on any defect."""
+    view = memoryview(payload)
+    if len(view) < _PREFIX.size:
+        raise PayloadError(f"payload too short ({len(view)} bytes)")
+    magic, version, header_len = _PREFIX.unpack_from(view, 0)
+    if magic != MAGIC:
+        raise PayloadError("bad magic: not a scd-store tensor pack")
+    if version != VERSION:
+        raise PayloadError(f"tensor pack version {version} not supported (expected {VERSION})")
+    head_end = _PREFIX.size + header_len
+    if head_end > len(view):
+        raise PayloadError("truncated header")
+    try:
+        header = json.loads(bytes(view[_PREFIX.size:head_end]))
+        found_codec, meta, entries = header["codec"], header["meta"], header["tensors"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise PayloadError(f"malformed header: {exc}") from None
+    if codec_id is not None and found_codec != codec_id:
+        raise PayloadError(f"payload is codec {found_codec!r}, expected {codec_id!r}")
+    base = head_end + _pad(head_end)
+    tensors = {}
+    for entry in entries:
+        try:
+            dtype = _DTYPES[entry["dtype"]]
+            shape = [int(s) for s in entry["shape"]]
+            start, nbytes = base + int(entry["offset"]), int(entry["nbytes"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PayloadError(f"malformed tensor entry: {exc}") from None
+        count = 1
+        for s in shape:
+            count *= s
+        if min(shape, default=1) < 0 or nbytes != count * dtype.itemsize or start + nbytes > len(view):
+            raise PayloadError(f"tensor {entry.get('name')!r}: size or bounds do not match its header")
+        raw = torch.frombuffer(bytearray(view[start:start + nbytes]), dtype=torch.uint8) if nbytes else \
+            torch.empty(0, dtype=torch.uint8)
+        tensors[str(entry["name"])] = raw.view(dtype).reshape(shape)
+    return found_codec, meta, tensors

@@ -1,0 +1,1 @@
+"""Benchmarks behind ``scd-store bench ...`` (JSON output)."""

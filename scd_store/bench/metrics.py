@@ -1,0 +1,46 @@
+"""Continuation metrics against the oracle: perplexity, KL divergence, greedy top-1 agreement."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class ContinuationScore:
+    """Running sums over scored tokens for one method."""
+
+    nll: float = 0.0
+    kl: float = 0.0
+    top1: int = 0
+    tokens: int = 0
+    payload_bytes: int = 0
+    prefix_tokens: int = 0
+
+    def add(self, logits: torch.Tensor, oracle_logits: torch.Tensor, targets: torch.Tensor) -> None:
+        """Score ``logits`` ``[T, V]`` against the oracle's and the true next tokens ``[T]``."""
+        logp = F.log_softmax(logits.float(), dim=-1)
+        logq = F.log_softmax(oracle_logits.float(), dim=-1)
+        self.nll += float(-logp.gather(1, targets[:, None].to(logp.device)).sum())
+        self.kl += float((logq.exp() * (logq - logp)).sum())
+        self.top1 += int((logp.argmax(-1) == logq.argmax(-1)).sum())
+        self.tokens += targets.numel()
+
+    @property
+    def ppl(self) -> float:
+        return math.exp(self.nll / self.tokens)
+
+    @property
+    def mean_kl(self) -> float:
+        return self.kl / self.tokens
+
+    @property
+    def top1_rate(self) -> float:
+        return self.top1 / self.tokens
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.payload_bytes / self.prefix_tokens if self.prefix_tokens else 0.0

@@ -1,0 +1,116 @@
+"""``scd-store bench quality``: how well a consumer continues from each method's prefix KV.
+
+For every held-out window of ``prefix + continuation + 1`` tokens the producer prefills the
+prefix once; each method turns that (or the consumer's own prefill, for ``oracle``) into the
+consumer's prefix KV; the consumer then runs the continuation on top of it and is scored against
+the oracle (its own prefill) and the true next tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from scd_store.adapters.transformers import continue_with_prefix, load_model, prefill_capture
+from scd_store.bench.metrics import ContinuationScore
+from scd_store.bench.windows import eval_windows
+from scd_store.codecs import make_codec
+from scd_store.models import catalog
+
+BASELINE_METHODS = ("oracle", "none", "raw", "int8", "int4")
+
+
+@dataclass(frozen=True, slots=True)
+class QualityConfig:
+    """What ``bench quality`` measures; ``quick()`` is the short variant used by demos and CI."""
+
+    consumer: str
+    producer: str = catalog.PRODUCER
+    windows: int = 20
+    prefix_tokens: int = 448
+    continuation_tokens: int = 64
+    seed: int = 0
+    methods: tuple[str, ...] = BASELINE_METHODS
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.windows <= 0 or self.prefix_tokens <= 0 or self.continuation_tokens <= 0:
+            raise ValueError("windows, prefix_tokens and continuation_tokens must be positive")
+        unknown = set(self.methods) - set(BASELINE_METHODS)
+        if unknown:
+            raise ValueError(f"unknown methods {sorted(unknown)}; known: {', '.join(BASELINE_METHODS)}")
+        if "oracle" not in self.methods:
+            raise ValueError("the oracle method is required: every metric is relative to it")
+
+    def quick(self) -> QualityConfig:
+        return QualityConfig(self.consumer, self.producer, min(self.windows, 6), self.prefix_tokens,
+                             min(self.continuation_tokens, 32), self.seed, self.methods, self.device)
+
+
+@dataclass(slots=True)
+class QualityReport:
+    producer: str
+    consumer: str
+    prefix_tokens: int
+    continuation_tokens: int
+    windows: int
+    seed: int
+    methods: list[dict] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+
+def run_quality(config: QualityConfig, progress: bool = True) -> QualityReport:
+    """Run the benchmark; deterministic for a given config."""
+    torch.manual_seed(config.seed)
+    spec = catalog.consumer(config.consumer)
+    producer = load_model(config.producer, device=config.device)
+    consumer = load_model(config.consumer, device=config.device)
+    length = config.prefix_tokens + config.continuation_tokens + 1
+    windows = eval_windows(consumer.tokenizer, spec.corpus, config.windows, length, config.seed)
+    scores = {name: ContinuationScore() for name in config.methods}
+    codecs = {name: make_codec(name) for name in config.methods if name not in ("oracle", "none")}
+    p = config.prefix_tokens
+    for window in tqdm(windows, desc=f"quality {config.consumer}", unit="window", disable=not progress):
+        prefix, feed, targets = window[:p], window[p:-1], window[p + 1 :]
+        own_state, _ = prefill_capture(consumer.model, prefix)
+        oracle_logits = continue_with_prefix(consumer.model, own_state, feed)
+        producer_state, _ = prefill_capture(producer.model, prefix)
+        for name in config.methods:
+            if name == "oracle":
+                logits, nbytes = oracle_logits, 0
+            elif name == "none":
+                logits, nbytes = continue_with_prefix(consumer.model, None, feed), 0
+            else:
+                payload = codecs[name].encode(producer_state)
+                state = codecs[name].decode(payload, device=config.device)
+                logits, nbytes = continue_with_prefix(consumer.model, state, feed), len(payload)
+            scores[name].add(logits, oracle_logits, targets)
+            scores[name].payload_bytes += nbytes
+            scores[name].prefix_tokens += p
+    fp16_per_token = 2 * 2 * producer_state.num_layers * producer_state.num_kv_heads * producer_state.head_dim
+    oracle_ppl = scores["oracle"].ppl
+    report = QualityReport(config.producer, config.consumer, p, config.continuation_tokens, len(windows), config.seed)
+    for name in config.methods:
+        s = scores[name]
+        report.methods.append({
+            "name": name,
+            "ppl": round(s.ppl, 4),
+            "ppl_rel": round(s.ppl / oracle_ppl - 1.0, 5),
+            "kl": round(s.mean_kl, 5),
+            "top1": round(s.top1_rate, 4),
+            "bytes_per_token": round(s.bytes_per_token, 2),
+            "payload_ratio": round(s.bytes_per_token / fp16_per_token, 4),
+        })
+    return report
+
+
+def write_report(report: QualityReport, path: Path | None) -> None:
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(report.to_json() + "\n")

@@ -1,0 +1,1 @@
+"""The ``scd-store`` command line."""

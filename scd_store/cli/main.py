@@ -1,0 +1,116 @@
+"""``scd-store``: one command line with subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _models_prepare(args: argparse.Namespace) -> int:
+    from scd_store.models import catalog
+    from scd_store.models.prepare import prepare_consumer, prepare_producer
+
+    names = args.only or list(catalog.ALL_MODELS)
+    for name in names:
+        path = prepare_producer(force=args.force) if name == catalog.PRODUCER else prepare_consumer(name, args.force)
+        print(f"{name}: {path}")
+    return 0
+
+
+def _models_train(args: argparse.Namespace) -> int:
+    import json
+
+    from scd_store.models.train import train_consumer
+
+    print(json.dumps(train_consumer(args.consumer)))
+    print("adapter written; run `scd-store models prepare --force` to rebuild the checkpoint")
+    return 0
+
+
+def _models_list(_: argparse.Namespace) -> int:
+    from scd_store.models import catalog
+    from scd_store.models.prepare import ModelNotPrepared, model_dir
+
+    for name in catalog.ALL_MODELS:
+        try:
+            print(f"{name}\t{model_dir(name)}")
+        except ModelNotPrepared:
+            print(f"{name}\t(not prepared)")
+    return 0
+
+
+def _bench_quality(args: argparse.Namespace) -> int:
+    from scd_store.bench.quality import QualityConfig, run_quality, write_report
+    from scd_store.cli.tables import print_quality
+
+    config = QualityConfig(args.consumer, windows=args.windows, seed=args.seed, device=args.device,
+                           prefix_tokens=args.prefix_tokens, continuation_tokens=args.continuation_tokens)
+    if args.quick:
+        config = config.quick()
+    report = run_quality(config)
+    print_quality(report)
+    write_report(report, args.json)
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from scd_store.bench.quality import QualityConfig, run_quality
+    from scd_store.cli.tables import print_quality
+    from scd_store.models import catalog
+
+    for name in catalog.CONSUMERS:
+        print_quality(run_quality(QualityConfig(name, device=args.device).quick()))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="scd-store", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    models = sub.add_parser("models", help="prepare and list the model material").add_subparsers(
+        dest="action", required=True)
+    prepare = models.add_parser("prepare", help="build the producer and consumer checkpoints (cached)")
+    prepare.add_argument("--only", nargs="+", metavar="NAME", help="prepare only these models")
+    prepare.add_argument("--force", action="store_true", help="rebuild even if the cache is current")
+    prepare.set_defaults(func=_models_prepare)
+    train = models.add_parser("train", help="re-create a consumer's committed LoRA adapter from its recipe")
+    train.add_argument("--consumer", required=True)
+    train.set_defaults(func=_models_train)
+    models.add_parser("list", help="show the catalog and where each model is prepared").set_defaults(
+        func=_models_list)
+
+    bench = sub.add_parser("bench", help="benchmarks (JSON output)").add_subparsers(dest="bench", required=True)
+    quality = bench.add_parser("quality", help="consumer continuation quality per method, against the oracle")
+    quality.add_argument("--consumer", required=True)
+    quality.add_argument("--windows", type=int, default=20)
+    quality.add_argument("--prefix-tokens", type=int, default=448)
+    quality.add_argument("--continuation-tokens", type=int, default=64)
+    quality.add_argument("--seed", type=int, default=0)
+    quality.add_argument("--quick", action="store_true", help="6 windows, 32 scored tokens")
+    quality.add_argument("--device", default="cpu")
+    quality.add_argument("--json", type=Path, help="write the report here")
+    quality.set_defaults(func=_bench_quality)
+
+    demo = sub.add_parser("demo", help="the main job: quick quality tables for every consumer")
+    demo.add_argument("--device", default="cpu")
+    demo.set_defaults(func=_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from scd_store.models.prepare import ModelNotPrepared
+
+    try:
+        return args.func(args)
+    except ModelNotPrepared as exc:
+        print(f"scd-store: {exc}", file=sys.stderr)
+        return 3
+    except (KeyError, ValueError, FileNotFoundError) as exc:
+        print(f"scd-store: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

