@@ -1,0 +1,33 @@
+import torch
+
+from scd_store.models import lora
+from tests.conftest import tiny_llama
+
+
+def test_merged_adapter_equals_the_adapted_model(tmp_path):
+    adapted = tiny_llama(seed=0)
+    wrapped = lora.attach(adapted, rank=4, alpha=8.0, seed=0)
+    assert set(name.rsplit(".", 1)[-1] for name in wrapped) == set(lora.TARGETS)
+    with torch.no_grad():
+        for layer in wrapped.values():
+            layer.lora_b.normal_(std=0.05)
+            # round through bf16 as the saved adapter does, so both sides see the same numbers
+            layer.lora_a.copy_(layer.lora_a.bfloat16().float())
+            layer.lora_b.copy_(layer.lora_b.bfloat16().float())
+    path = tmp_path / "adapter.safetensors"
+    lora.save_adapter(path, wrapped, {"note": "test"})
+
+    merged = tiny_llama(seed=0)
+    assert lora.merge_adapter(merged, path, scale=2.0) == len(wrapped)
+    ids = torch.randint(0, 128, (1, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, adapted(input_ids=ids).logits, atol=1e-4, rtol=1e-4)
+        assert (merged(input_ids=ids).logits - tiny_llama(seed=0)(input_ids=ids).logits).abs().max() > 1e-3
+
+
+def test_only_adapter_parameters_train():
+    model = tiny_llama()
+    wrapped = lora.attach(model, rank=2, alpha=4.0, seed=0)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(n.endswith(("lora_a", "lora_b")) for n in trainable)
+    assert len(trainable) == 2 * len(wrapped)
