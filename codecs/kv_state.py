@@ -12,13 +12,15 @@ class KVState:
     """One sequence's prefix state, as the model caches it.
 
     ``keys`` and ``values`` are ``[num_layers, num_kv_heads, num_tokens, head_dim]``; keys are
-    post-RoPE at positions ``0..num_tokens-1``. ``hidden`` optionally maps a layer index to that
-    layer's normalised pre-attention input ``H_in`` of shape ``[num_tokens, hidden_size]``.
+    post-RoPE at absolute positions ``start .. start + num_tokens - 1``. ``hidden`` optionally
+    maps a layer index to that layer's normalised pre-attention input ``H_in`` of shape
+    ``[num_tokens, hidden_size]``.
     """
 
     keys: torch.Tensor
     values: torch.Tensor
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+    start: int = 0
 
     def __post_init__(self) -> None:
         if self.keys.dim() != 4:
@@ -27,6 +29,8 @@ class KVState:
             raise ValueError(f"keys {tuple(self.keys.shape)} and values {tuple(self.values.shape)} differ in shape")
         if self.keys.dtype != self.values.dtype or self.keys.device != self.values.device:
             raise ValueError("keys and values must share dtype and device")
+        if self.start < 0:
+            raise ValueError(f"start position must be >= 0, got {self.start}")
         if not self.keys.is_floating_point():
             raise ValueError(f"keys must be floating point, got {self.keys.dtype}")
         for layer, h in self.hidden.items():
@@ -58,4 +62,10 @@ class KVState:
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> KVState:
         hidden = {i: h.to(device=device, dtype=dtype) for i, h in self.hidden.items()}
-        return KVState(self.keys.to(device=device, dtype=dtype), self.values.to(device=device, dtype=dtype), hidden)
+        return KVState(self.keys.to(device=device, dtype=dtype), self.values.to(device=device, dtype=dtype), hidden,
+                       self.start)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """Absolute positions of the tokens, ``[num_tokens]``."""
+        return torch.arange(self.start, self.start + self.num_tokens, device=self.keys.device)

@@ -80,6 +80,7 @@ def unpack(payload: bytes | bytearray | memoryview, codec_id: str | None = None
         raise PayloadError(f"payload is codec {found_codec!r}, expected {codec_id!r}")
     base = head_end + _pad(head_end)
     tensors = {}
+    end = base
     for entry in entries:
         try:
             dtype = _DTYPES[entry["dtype"]]
@@ -95,4 +96,7 @@ def unpack(payload: bytes | bytearray | memoryview, codec_id: str | None = None
         raw = torch.frombuffer(bytearray(view[start:start + nbytes]), dtype=torch.uint8) if nbytes else \
             torch.empty(0, dtype=torch.uint8)
         tensors[str(entry["name"])] = raw.view(dtype).reshape(shape)
+        end = max(end, start + nbytes + _pad(nbytes))
+    if len(view) != end:
+        raise PayloadError(f"payload is {len(view)} bytes, its header describes {end}")
     return found_codec, meta, tensors

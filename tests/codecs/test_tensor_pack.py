@@ -49,3 +49,11 @@ def test_header_claiming_more_bytes_than_present_is_rejected():
     lying = payload.replace(b'"shape":[8]', b'"shape":[9]')
     with pytest.raises(PayloadError, match="size or bounds"):
         unpack(lying)
+
+
+def test_trailing_or_missing_padding_is_rejected():
+    payload = pack("demo", {}, {"x": torch.zeros(3)})
+    with pytest.raises(PayloadError, match="describes"):
+        unpack(payload + b"\0")
+    with pytest.raises(PayloadError):
+        unpack(payload[:-1])

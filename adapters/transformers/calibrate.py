@@ -1,0 +1,194 @@
+"""SCD calibration with real transformers models: fit a producer's code space, distil each
+consumer's decoder end to end on the consumer's own next-token distribution.
+
+1. Code space: producer KV on calibration windows -> per group (layer x K/V) PCA of pre-RoPE
+   features (sink tokens excluded) -> component variances -> greedy bit allocation for the budget.
+2. Decoder (per consumer): the producer's prefix KV is encoded and decoded through the space
+   (so training sees the real quantisation); the decoder's affine maps start at the mean shift
+   and are trained to minimise KL(consumer on its own prefill || consumer on the decoded cache)
+   over continuation tokens, consumer frozen, gradients only into the maps.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+from transformers import DynamicCache
+
+from scd_store.adapters.transformers.capture import prefill_capture
+from scd_store.adapters.transformers.loading import LoadedModel
+from scd_store.bench.windows import eval_windows
+from scd_store.codecs.kv_state import KVState
+from scd_store.codecs.scd.decoder import PairDecoder
+from scd_store.codecs.scd.layout import KVLayout, to_features
+from scd_store.codecs.scd.quantizer import allocate_bits
+from scd_store.codecs.scd.rope import apply_rope, rope_cos_sin
+from scd_store.codecs.scd.space import CodeSpace
+
+
+@dataclass(frozen=True, slots=True)
+class CalibrationConfig:
+    """Knobs of ``scd-store calibrate`` (see docs/scd.md)."""
+
+    budget: float = 0.25  # coded payload against raw fp16 KV
+    key_weight: float = 4.0  # distortion weight of keys against values in the bit allocation
+    sink_tokens: int = 4
+    basis_windows: int = 48  # per corpus
+    prefix_tokens: int = 192
+    continuation_tokens: int = 32
+    distill_windows: int = 160
+    distill_steps: int = 600
+    batch_size: int = 2
+    lr_weight: float = 1e-4
+    lr_bias: float = 1e-3
+    seed: int = 0
+    split: str = "calib"
+
+    def __post_init__(self) -> None:
+        if not 0 < self.budget <= 1:
+            raise ValueError(f"budget must be in (0, 1], got {self.budget}")
+        if self.prefix_tokens <= self.sink_tokens or self.continuation_tokens <= 0:
+            raise ValueError("prefix must be longer than the sink tokens; continuation must be positive")
+        if min(self.basis_windows, self.distill_windows, self.batch_size) <= 0 or self.distill_steps < 0:
+            raise ValueError("window counts and batch size must be positive")
+
+
+def layout_of(model: torch.nn.Module) -> KVLayout:
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    rope = getattr(config, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"only default RoPE is supported, not {rope.get('rope_type')}")
+    return KVLayout(config.num_hidden_layers, config.num_key_value_heads, head_dim, float(theta))
+
+
+def fit_space(producer: LoadedModel, corpora: list[str], config: CalibrationConfig, space_id: str,
+              progress: bool = True) -> CodeSpace:
+    """PCA basis and bit allocation from the producer's KV on calibration windows of ``corpora``."""
+    layout = layout_of(producer.model)
+    g, c = layout.groups, layout.width
+    total = torch.zeros(g, c, dtype=torch.float64)
+    outer = torch.zeros(g, c, c, dtype=torch.float64)
+    count = 0
+    windows = [w for corpus in corpora for w in eval_windows(
+        producer.tokenizer, corpus, config.basis_windows, config.prefix_tokens, config.seed, split=config.split)]
+    for window in tqdm(windows, desc="code space: producer KV", unit="window", disable=not progress):
+        state, _ = prefill_capture(producer.model, window)
+        x = to_features(state, layout)[config.sink_tokens:].double().transpose(0, 1)  # [G, T, C]
+        total += x.sum(1)
+        outer += x.transpose(1, 2) @ x
+        count += x.shape[1]
+    mean = total / count
+    cov = outer / count - mean.unsqueeze(2) * mean.unsqueeze(1)
+    eigvals, eigvecs = torch.linalg.eigh(cov)
+    eigvals, eigvecs = eigvals.flip(-1).clamp_min(0), eigvecs.flip(-1)
+    weights = torch.ones(g, c, dtype=torch.float64)
+    weights[0::2] = config.key_weight
+    total_bits = round(config.budget * 16 * g * c)
+    bits = allocate_bits(eigvals, weights, total_bits)
+    return CodeSpace(space_id, layout, mean.float(), eigvecs.float(), eigvals.sqrt().float(), bits,
+                     config.sink_tokens, producer.fingerprint)
+
+
+@dataclass(slots=True)
+class _DistillData:
+    xhat: torch.Tensor  # [N, T - sinks, G, C] fp16: the producer's features after the space's quantisation
+    sink_keys: torch.Tensor  # [N, L, H, sinks, D]
+    sink_values: torch.Tensor
+    feed: torch.Tensor  # [N, continuation] token ids
+    teacher: torch.Tensor  # [N, continuation, V] fp16 logits of the consumer on its own prefill
+    mean_shift: torch.Tensor  # [G, C]
+
+
+@torch.no_grad()
+def _collect(producer: LoadedModel, consumer: LoadedModel, space: CodeSpace, corpus: str, config: CalibrationConfig,
+             progress: bool) -> _DistillData:
+    p, s = config.prefix_tokens, config.sink_tokens
+    length = p + config.continuation_tokens
+    windows = eval_windows(consumer.tokenizer, corpus, config.distill_windows, length, config.seed + 1,
+                           split=config.split)
+    xhats, sink_k, sink_v, feeds, teachers = [], [], [], [], []
+    shift = torch.zeros(space.layout.groups, space.layout.width, dtype=torch.float64)
+    basis_t = space.basis.transpose(1, 2)
+    for window in tqdm(windows, desc=f"distil {consumer.name}: teacher", unit="window", disable=not progress):
+        produced, _ = prefill_capture(producer.model, window[:p])
+        codes = space.unpack(space.encode(produced))
+        xhat = torch.bmm(codes.zhat.transpose(0, 1), basis_t).transpose(0, 1) + space.mean  # [T - s, G, C]
+        own, logits = prefill_capture(consumer.model, window)
+        own_prefix = KVState(own.keys[:, :, s:p], own.values[:, :, s:p], start=s)
+        shift += (to_features(own_prefix, space.layout) - xhat).double().mean(0)
+        xhats.append(xhat.half())
+        sink_k.append(produced.keys[:, :, :s])
+        sink_v.append(produced.values[:, :, :s])
+        feeds.append(window[p:])
+        teachers.append(logits[p:length].half())
+    return _DistillData(torch.stack(xhats), torch.stack(sink_k), torch.stack(sink_v), torch.stack(feeds),
+                        torch.stack(teachers), (shift / len(windows)).float())
+
+
+def _build_cache(model, features: torch.Tensor, sink_k: torch.Tensor, sink_v: torch.Tensor, layout: KVLayout,
+                 start: int) -> DynamicCache:
+    """A batched cache from decoded features ``[B, T, G, C]`` (differentiable) and raw sinks."""
+    b, t = features.shape[:2]
+    f = features.view(b, t, layout.num_layers, 2, layout.kv_heads, layout.head_dim)
+    cos, sin = rope_cos_sin(torch.arange(start, start + t), layout.head_dim, layout.rope_theta)
+    cache = DynamicCache(config=model.config)
+    for layer in range(layout.num_layers):
+        k = apply_rope(f[:, :, layer, 0].permute(0, 2, 1, 3), cos, sin)
+        v = f[:, :, layer, 1].permute(0, 2, 1, 3)
+        cache.update(torch.cat([sink_k[:, layer], k], 2), torch.cat([sink_v[:, layer], v], 2), layer)
+    return cache
+
+
+def distil_decoder(producer: LoadedModel, consumer: LoadedModel, space: CodeSpace, corpus: str,
+                   config: CalibrationConfig, progress: bool = True) -> tuple[PairDecoder, dict]:
+    """Train ``consumer``'s decoder for ``space`` end to end; returns it with training stats."""
+    start_time = time.perf_counter()
+    data = _collect(producer, consumer, space, corpus, config, progress)
+    collect_seconds = time.perf_counter() - start_time
+    g, c = space.layout.groups, space.layout.width
+    weight = torch.zeros(g, c, c, requires_grad=True)
+    bias = data.mean_shift.clone().requires_grad_(True)
+    optimizer = torch.optim.Adam([{"params": [weight], "lr": config.lr_weight},
+                                  {"params": [bias], "lr": config.lr_bias}])
+    generator = torch.Generator().manual_seed(config.seed)
+    for param in consumer.model.parameters():
+        param.requires_grad_(False)
+    losses = []
+    n = data.xhat.shape[0]
+    bar = tqdm(range(config.distill_steps), desc=f"distil {consumer.name}: train", unit="step", disable=not progress)
+    for step in bar:
+        idx = torch.randint(0, n, (config.batch_size,), generator=generator)
+        xhat = data.xhat[idx].float()
+        y = xhat + torch.einsum("btgc,gcd->btgd", xhat, weight) + bias
+        cache = _build_cache(consumer.model, y, data.sink_keys[idx], data.sink_values[idx], space.layout,
+                             config.sink_tokens)
+        logits = consumer.model(input_ids=data.feed[idx], cache=cache, use_cache=True).logits
+        teacher = F.log_softmax(data.teacher[idx].float(), -1)
+        loss = F.kl_div(F.log_softmax(logits, -1), teacher, log_target=True, reduction="none").sum(-1).mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        # cosine decay over the run keeps the last steps from jittering
+        for group, base in zip(optimizer.param_groups, (config.lr_weight, config.lr_bias), strict=True):
+            group["lr"] = base * 0.5 * (1 + math.cos(math.pi * step / max(1, config.distill_steps)))
+        optimizer.step()
+        losses.append(float(loss))
+        if step % 10 == 0:
+            bar.set_postfix(kl=f"{sum(losses[-20:]) / len(losses[-20:]):.4f}")
+    decoder = PairDecoder(consumer.name, space.fingerprint, weight.detach().clone(), bias.detach().clone(),
+                          consumer.fingerprint)
+    stats = {
+        "windows": n,
+        "steps": config.distill_steps,
+        "collect_seconds": round(collect_seconds, 1),
+        "train_seconds": round(time.perf_counter() - start_time - collect_seconds, 1),
+        "kl_first": round(sum(losses[:20]) / max(1, len(losses[:20])), 5) if losses else None,
+        "kl_last": round(sum(losses[-20:]) / max(1, len(losses[-20:])), 5) if losses else None,
+    }
+    return decoder, stats

@@ -1,0 +1,1 @@
+"""Semantic Cache Distillation (SCD): codes in a producer's calibrated basis, decoded per consumer."""

@@ -1,0 +1,117 @@
+"""Calibration bundles on disk: safetensors tensors + a JSON manifest per space and per pair.
+
+Layout of a bundle directory::
+
+    space.json, space.safetensors                 the code space (producer side)
+    pairs/<consumer>.json, pairs/<consumer>.safetensors   one decoder per registered consumer
+
+Manifests carry the format version, the model fingerprints the bundle was calibrated against,
+and a content fingerprint of the tensors; loading checks all three.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
+
+from scd_store.codecs.scd.decoder import PairDecoder
+from scd_store.codecs.scd.layout import KVLayout
+from scd_store.codecs.scd.space import CodeSpace
+
+FORMAT = "scd-bundle"
+FORMAT_VERSION = 1
+
+
+class BundleError(ValueError):
+    """A bundle is missing, of another format version, corrupt, or for other models."""
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def _read_manifest(path: Path, kind: str) -> dict:
+    if not path.exists():
+        raise BundleError(f"no {kind} manifest at {path}")
+    try:
+        manifest = json.loads(path.read_text())
+    except ValueError as exc:
+        raise BundleError(f"{path}: not valid JSON ({exc})") from None
+    if manifest.get("format") != FORMAT or manifest.get("kind") != kind:
+        raise BundleError(f"{path}: not an scd {kind} manifest")
+    if int(manifest.get("format_version", -1)) > FORMAT_VERSION:
+        raise BundleError(f"{path}: bundle format {manifest['format_version']} is newer than this scd-store "
+                          f"understands ({FORMAT_VERSION}); upgrade scd-store")
+    if int(manifest.get("format_version", -1)) != FORMAT_VERSION:
+        raise BundleError(f"{path}: unsupported bundle format version {manifest.get('format_version')}")
+    return manifest
+
+
+def save_space(bundle: Path, space: CodeSpace, extra: dict | None = None) -> None:
+    bundle.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in space.tensors().items()}, str(bundle / "space.safetensors"))
+    _write_json(bundle / "space.json", {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "kind": "space",
+        "space_id": space.space_id, "layout": space.layout.to_dict(), "sink_tokens": space.sink_tokens,
+        "producer_fingerprint": space.producer_fingerprint, "content_fingerprint": space.fingerprint,
+        "bits_per_token": space.bits_per_token, "payload_ratio": round(space.payload_ratio(), 5),
+        **(extra or {}),
+    })
+
+
+def load_space(bundle: Path, producer_fingerprint: str | None = None) -> CodeSpace:
+    """Load a code space; ``producer_fingerprint``, when given, must match the calibrated producer's."""
+    manifest = _read_manifest(bundle / "space.json", "space")
+    if producer_fingerprint is not None and manifest["producer_fingerprint"] != producer_fingerprint:
+        raise BundleError(f"code space {manifest['space_id']} was calibrated for producer "
+                          f"{manifest['producer_fingerprint']}, not {producer_fingerprint}")
+    try:
+        tensors = load_file(str(bundle / "space.safetensors"))
+        space = CodeSpace(manifest["space_id"], KVLayout(**manifest["layout"]), tensors["mean"], tensors["basis"],
+                          tensors["sigma"], tensors["bits"], int(manifest["sink_tokens"]),
+                          manifest["producer_fingerprint"])
+    except (KeyError, OSError, TypeError, ValueError) as exc:
+        raise BundleError(f"{bundle}: cannot load the code space: {exc}") from None
+    if space.fingerprint != manifest["content_fingerprint"]:
+        raise BundleError(f"{bundle}: code space tensors do not match their manifest's content fingerprint")
+    return space
+
+
+def save_pair(bundle: Path, decoder: PairDecoder, extra: dict | None = None) -> None:
+    pairs = bundle / "pairs"
+    pairs.mkdir(parents=True, exist_ok=True)
+    save_file({"weight": decoder.weight.contiguous(), "bias": decoder.bias.contiguous()},
+              str(pairs / f"{decoder.consumer}.safetensors"))
+    _write_json(pairs / f"{decoder.consumer}.json", {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "kind": "pair", "consumer": decoder.consumer,
+        "consumer_fingerprint": decoder.consumer_fingerprint, "space_fingerprint": decoder.space_fingerprint,
+        "content_fingerprint": decoder.fingerprint, **(extra or {}),
+    })
+
+
+def pair_names(bundle: Path) -> list[str]:
+    return sorted(p.stem for p in (bundle / "pairs").glob("*.json"))
+
+
+def load_pair(bundle: Path, consumer: str, space: CodeSpace, consumer_fingerprint: str | None = None) -> PairDecoder:
+    """Load one consumer's decoder; it must belong to ``space`` (and the given consumer weights)."""
+    manifest = _read_manifest(bundle / "pairs" / f"{consumer}.json", "pair")
+    if manifest["space_fingerprint"] != space.fingerprint:
+        raise BundleError(f"decoder of {consumer} was calibrated for another code space")
+    if consumer_fingerprint is not None and manifest["consumer_fingerprint"] != consumer_fingerprint:
+        raise BundleError(f"decoder of {consumer} was calibrated for consumer weights "
+                          f"{manifest['consumer_fingerprint']}, not {consumer_fingerprint}")
+    try:
+        tensors = load_file(str(bundle / "pairs" / f"{consumer}.safetensors"))
+        decoder = PairDecoder(consumer, manifest["space_fingerprint"], tensors["weight"], tensors["bias"],
+                              manifest["consumer_fingerprint"])
+    except (KeyError, OSError, TypeError, ValueError) as exc:
+        raise BundleError(f"{bundle}: cannot load the decoder of {consumer}: {exc}") from None
+    if decoder.fingerprint != manifest["content_fingerprint"]:
+        raise BundleError(f"{bundle}: decoder of {consumer} does not match its manifest's content fingerprint")
+    return decoder

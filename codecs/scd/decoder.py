@@ -1,0 +1,62 @@
+"""The consumer side of SCD: per-group affine maps from a space's codes to the consumer's KV.
+
+Trainable form (what calibration distils, per group ``g``)::
+
+    x_hat = mean + z_hat @ basis^T          # the producer's feature, reconstructed
+    y     = x_hat + x_hat @ W + b           # the consumer's feature (W = 0, b = mean shift at init)
+
+Folded for decoding: ``y = z_hat @ M + c`` with ``M = basis^T (I + W)`` and
+``c = mean (I + W) + b``: one small matmul per layer and tensor, batched over tokens and groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from scd_store.codecs.fingerprint import tensors_fingerprint
+from scd_store.codecs.scd.space import CodeSpace
+
+
+@dataclass(slots=True)
+class PairDecoder:
+    """One consumer's decoder for one code space."""
+
+    consumer: str
+    space_fingerprint: str
+    weight: torch.Tensor  # [G, C, C], residual: y = x + x @ W + b
+    bias: torch.Tensor  # [G, C]
+    consumer_fingerprint: str = ""
+    _folded: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        g, c = self.bias.shape
+        if tuple(self.weight.shape) != (g, c, c):
+            raise ValueError(f"decoder weight {tuple(self.weight.shape)} does not match bias {tuple(self.bias.shape)}")
+
+    @classmethod
+    def identity(cls, space: CodeSpace, consumer: str, mean_shift: torch.Tensor | None = None) -> PairDecoder:
+        """The decoder that returns the producer's KV (plus an optional mean shift)."""
+        g, c = space.layout.groups, space.layout.width
+        bias = torch.zeros(g, c) if mean_shift is None else mean_shift.float().clone()
+        return cls(consumer, space.fingerprint, torch.zeros(g, c, c), bias)
+
+    @property
+    def fingerprint(self) -> str:
+        return tensors_fingerprint({"weight": self.weight, "bias": self.bias}, extra=self.space_fingerprint)
+
+    def folded(self, space: CodeSpace, device: torch.device | str, dtype: torch.dtype
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(M, c)`` for decoding on ``device``; cached per device and dtype."""
+        if space.fingerprint != self.space_fingerprint:
+            raise ValueError(f"decoder for {self.consumer} was calibrated for space {self.space_fingerprint}, "
+                             f"not {space.fingerprint}")
+        key = (str(device), dtype)
+        if key not in self._folded:
+            eye = torch.eye(self.weight.shape[-1], dtype=torch.float64)
+            residual = eye + self.weight.double()
+            matrix = space.basis.double().transpose(1, 2) @ residual
+            offset = torch.bmm(space.mean.double().unsqueeze(1), residual).squeeze(1) + self.bias.double()
+            self._folded[key] = (matrix.to(device=device, dtype=dtype), offset.to(device=device, dtype=dtype))
+        return self._folded[key]

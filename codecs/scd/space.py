@@ -1,0 +1,127 @@
+"""The producer side of SCD: a code space encodes prefix KV into bits over a calibrated basis."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from scd_store.codecs.fingerprint import tensors_fingerprint
+from scd_store.codecs.kv_state import KVState
+from scd_store.codecs.scd.layout import KVLayout, to_features
+from scd_store.codecs.scd.quantizer import dequantize, pack_codes, packed_size, quantize, unpack_codes
+from scd_store.codecs.tensor_pack import PayloadError, pack, unpack
+
+CODEC_ID = "scd"
+
+
+@dataclass(slots=True)
+class SpaceCodes:
+    """What a payload carries, unpacked: codes' reconstructions and the raw sink tokens."""
+
+    start: int
+    num_tokens: int
+    zhat: torch.Tensor  # [T - sinks, groups, C], reconstructed basis coordinates
+    sinks: KVState | None  # the first tokens' raw KV (absolute positions < sink_tokens)
+
+
+@dataclass(slots=True)
+class CodeSpace:
+    """A producer's calibrated basis: per group (layer x K/V) a mean, an orthonormal basis
+    (columns by decreasing variance), component standard deviations and a bit budget.
+
+    Tokens at absolute positions below ``sink_tokens`` are sent raw (fp16): attention sinks are
+    never put through the basis.
+    """
+
+    space_id: str
+    layout: KVLayout
+    mean: torch.Tensor
+    basis: torch.Tensor
+    sigma: torch.Tensor
+    bits: torch.Tensor
+    sink_tokens: int = 4
+    producer_fingerprint: str = ""
+    _fingerprint: str = field(default="", repr=False)
+
+    def __post_init__(self) -> None:
+        g, c = self.layout.groups, self.layout.width
+        for name, shape in (("mean", (g, c)), ("basis", (g, c, c)), ("sigma", (g, c)), ("bits", (g, c))):
+            if tuple(getattr(self, name).shape) != shape:
+                raise ValueError(f"code space {name} has shape {tuple(getattr(self, name).shape)}, expected {shape}")
+        if int(self.bits.min()) < 0 or int(self.bits.max()) > 8:
+            raise ValueError("bits per component must be within 0..8")
+        if self.sink_tokens < 0:
+            raise ValueError("sink_tokens must be >= 0")
+        self.bits = self.bits.to(torch.int64)
+        self._fingerprint = tensors_fingerprint(self.tensors(), extra=f"{self.layout}|{self.sink_tokens}")
+
+    @property
+    def fingerprint(self) -> str:
+        """Content fingerprint: blobs and decoders are bound to it."""
+        return self._fingerprint
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"mean": self.mean, "basis": self.basis, "sigma": self.sigma, "bits": self.bits}
+
+    @property
+    def bits_per_token(self) -> int:
+        return int(self.bits.sum())
+
+    def payload_ratio(self) -> float:
+        """Coded bits per (non-sink) token against raw fp16 KV."""
+        return self.bits_per_token / (16 * self.layout.groups * self.layout.width)
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """Basis coordinates ``[T, groups, C]`` of features ``[T, groups, C]``."""
+        centred = (features - self.mean.to(features)).transpose(0, 1)  # [G, T, C]
+        return torch.bmm(centred, self.basis.to(features)).transpose(0, 1)
+
+    def encode(self, state: KVState) -> bytes:
+        """Serialise ``state`` (the producer's prefix KV at its absolute positions)."""
+        sinks = max(0, min(self.sink_tokens - state.start, state.num_tokens))
+        tensors: dict[str, torch.Tensor] = {}
+        if sinks:
+            tensors["sink_keys"] = state.keys[:, :, :sinks].half()
+            tensors["sink_values"] = state.values[:, :, :sinks].half()
+        coded = state.num_tokens - sinks
+        if coded:
+            rest = KVState(state.keys[:, :, sinks:], state.values[:, :, sinks:], start=state.start + sinks)
+            z = self.project(to_features(rest, self.layout)).reshape(coded, -1)
+            flat_bits = self.bits.flatten().to(z.device)
+            codes = quantize(z, self.sigma.flatten().to(z), flat_bits)
+            tensors["codes"] = pack_codes(codes, flat_bits)
+        meta = {"space": self.fingerprint, "start": state.start, "tokens": state.num_tokens, "sinks": sinks}
+        return pack(CODEC_ID, meta, tensors)
+
+    def unpack(self, payload: bytes, device: torch.device | str = "cpu") -> SpaceCodes:
+        """Parse a payload of this space; raises :class:`PayloadError` on any mismatch."""
+        _, meta, t = unpack(payload, CODEC_ID)
+        try:
+            if meta["space"] != self.fingerprint:
+                raise PayloadError(f"payload belongs to code space {meta['space']}, not {self.fingerprint}")
+            start, tokens, sinks = int(meta["start"]), int(meta["tokens"]), int(meta["sinks"])
+            coded = tokens - sinks
+            if start < 0 or coded < 0 or sinks != max(0, min(self.sink_tokens - start, tokens)):
+                raise PayloadError("payload token counts are inconsistent")
+            flat_bits = self.bits.flatten().to(device)
+            if coded:
+                packed = t["codes"].to(device)
+                if packed.numel() != packed_size(coded, flat_bits):
+                    raise PayloadError("payload code section has the wrong size")
+                codes = unpack_codes(packed, coded, flat_bits)
+                zhat = dequantize(codes, self.sigma.flatten().to(device), flat_bits)
+                zhat = zhat.view(coded, self.layout.groups, self.layout.width)
+            else:
+                zhat = torch.zeros(0, self.layout.groups, self.layout.width, device=device)
+            sink_state = None
+            if sinks:
+                sink_state = KVState(t["sink_keys"].to(device), t["sink_values"].to(device), start=start)
+                self.layout.check(sink_state)
+                if sink_state.num_tokens != sinks:
+                    raise PayloadError("sink section has the wrong token count")
+        except (KeyError, TypeError, ValueError) as exc:
+            if isinstance(exc, PayloadError):
+                raise
+            raise PayloadError(f"scd payload is inconsistent: {exc}") from None
+        return SpaceCodes(start, tokens, zhat, sink_state)

@@ -1,0 +1,108 @@
+import json
+
+import pytest
+import torch
+
+from scd_store.codecs import KVState, PayloadError
+from scd_store.codecs.scd.bundle import BundleError, load_pair, load_space, save_pair, save_space
+from scd_store.codecs.scd.codec import ScdCodec
+from scd_store.codecs.scd.decoder import PairDecoder
+from scd_store.codecs.scd.layout import KVLayout, to_features
+from scd_store.codecs.scd.quantizer import allocate_bits
+from scd_store.codecs.scd.space import CodeSpace
+
+LAYOUT = KVLayout(num_layers=2, kv_heads=2, head_dim=8, rope_theta=1e4)
+
+
+def correlated_state(tokens: int, start: int = 0, seed: int = 0) -> KVState:
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(16, 16, generator=torch.Generator().manual_seed(99))
+    keys = (torch.randn(2, 2, tokens, 16, generator=g) @ mix)[..., :8]
+    values = (torch.randn(2, 2, tokens, 16, generator=g) @ mix)[..., 8:]
+    return KVState(keys.contiguous(), values.contiguous(), start=start)
+
+
+def fitted_space(budget: float, sinks: int = 2) -> CodeSpace:
+    feats = torch.cat([to_features(correlated_state(64, seed=s), LAYOUT) for s in range(4)])
+    x = feats.transpose(0, 1).double()
+    mean = x.mean(1)
+    cov = torch.einsum("gtc,gtd->gcd", x - mean[:, None], x - mean[:, None]) / x.shape[1]
+    eigvals, eigvecs = torch.linalg.eigh(cov)
+    eigvals, eigvecs = eigvals.flip(-1).clamp_min(0), eigvecs.flip(-1)
+    bits = allocate_bits(eigvals, torch.ones_like(eigvals), round(budget * 16 * LAYOUT.groups * LAYOUT.width))
+    return CodeSpace("test", LAYOUT, mean.float(), eigvecs.float(), eigvals.sqrt().float(), bits, sinks, "prod-fp")
+
+
+def rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def test_identity_decoder_reconstructs_the_producer_kv_at_high_budget():
+    space = fitted_space(budget=0.5)
+    codec = ScdCodec(space, PairDecoder.identity(space, "c"))
+    state = correlated_state(30, start=0, seed=7)
+    out = codec.decode(codec.encode(state))
+    assert out.keys.shape == state.keys.shape and out.start == 0
+    assert torch.equal(out.keys[:, :, :2], state.keys[:, :, :2].half().float())  # sinks sent raw
+    assert rel(out.keys, state.keys) < 0.05 and rel(out.values, state.values) < 0.05
+
+
+def test_error_falls_with_budget_and_payload_grows():
+    state = correlated_state(40, start=8, seed=3)
+    errors, sizes = [], []
+    for budget in (0.05, 0.15, 0.4):
+        space = fitted_space(budget)
+        payload = ScdCodec(space).encode(state)
+        out = ScdCodec(space, PairDecoder.identity(space, "c")).decode(payload)
+        errors.append(rel(out.values, state.values))
+        sizes.append(len(payload))
+    assert errors[0] > errors[1] > errors[2] and sizes[0] < sizes[1] < sizes[2]
+
+
+def test_decoder_maps_are_applied():
+    space = fitted_space(budget=0.5, sinks=0)
+    shift = torch.zeros(LAYOUT.groups, LAYOUT.width)
+    shift[1] = 5.0  # values of layer 0
+    codec = ScdCodec(space, PairDecoder.identity(space, "c", mean_shift=shift))
+    state = correlated_state(10, seed=1)
+    out = codec.decode(codec.encode(state))
+    plain = ScdCodec(space, PairDecoder.identity(space, "c")).decode(codec.encode(state))
+    torch.testing.assert_close(out.values[0] - plain.values[0], torch.full_like(out.values[0], 5.0), atol=1e-4,
+                               rtol=0)
+    torch.testing.assert_close(out.keys, plain.keys)
+
+
+def test_payload_of_another_space_or_corrupted_is_refused():
+    space_a, space_b = fitted_space(0.2), fitted_space(0.3)
+    payload = ScdCodec(space_a).encode(correlated_state(12))
+    with pytest.raises(PayloadError, match="code space"):
+        ScdCodec(space_b, PairDecoder.identity(space_b, "c")).decode(payload)
+    with pytest.raises(PayloadError):
+        ScdCodec(space_a, PairDecoder.identity(space_a, "c")).decode(payload[:-3])
+
+
+def test_decoder_of_another_space_is_refused():
+    space_a, space_b = fitted_space(0.2), fitted_space(0.3)
+    with pytest.raises(ValueError, match="another code space"):
+        ScdCodec(space_a, PairDecoder.identity(space_b, "c"))
+
+
+def test_bundle_round_trip_and_checks(tmp_path):
+    space = fitted_space(0.25)
+    decoder = PairDecoder.identity(space, "cons", mean_shift=torch.randn(LAYOUT.groups, LAYOUT.width))
+    decoder.consumer_fingerprint = "cons-fp"
+    save_space(tmp_path, space)
+    save_pair(tmp_path, decoder)
+    loaded = load_space(tmp_path, producer_fingerprint="prod-fp")
+    assert loaded.fingerprint == space.fingerprint and torch.equal(loaded.bits, space.bits)
+    pair = load_pair(tmp_path, "cons", loaded, consumer_fingerprint="cons-fp")
+    assert torch.equal(pair.bias, decoder.bias)
+    with pytest.raises(BundleError, match="producer"):
+        load_space(tmp_path, producer_fingerprint="other")
+    with pytest.raises(BundleError, match="consumer weights"):
+        load_pair(tmp_path, "cons", loaded, consumer_fingerprint="other")
+    manifest = json.loads((tmp_path / "space.json").read_text())
+    manifest["format_version"] = 99
+    (tmp_path / "space.json").write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match="newer"):
+        load_space(tmp_path)

@@ -1,0 +1,46 @@
+import torch
+
+from scd_store.codecs.scd.quantizer import (
+    DISTORTION,
+    allocate_bits,
+    dequantize,
+    pack_codes,
+    packed_size,
+    quantize,
+    unpack_codes,
+)
+
+
+def test_pack_round_trip_with_mixed_widths():
+    bits = torch.tensor([8, 0, 3, 1, 5, 3, 0, 2, 7, 4, 6])
+    codes = torch.stack([torch.randint(0, 1 << int(b), (13,)) if b else torch.zeros(13, dtype=torch.long)
+                         for b in bits], dim=1).to(torch.uint8)
+    packed = pack_codes(codes, bits)
+    assert packed.numel() == packed_size(13, bits) == (13 * int(bits.sum()) + 7) // 8
+    assert torch.equal(unpack_codes(packed, 13, bits), codes)
+
+
+def test_gaussian_distortion_matches_the_table():
+    torch.manual_seed(0)
+    z = torch.randn(200_000, 4) * torch.tensor([1.0, 2.0, 0.5, 3.0])
+    sigma = torch.tensor([1.0, 2.0, 0.5, 3.0])
+    for b in (1, 2, 4, 8):
+        bits = torch.full((4,), b)
+        zhat = dequantize(quantize(z, sigma, bits), sigma, bits)
+        mse = ((zhat - z) ** 2).mean(0) / sigma**2
+        assert torch.allclose(mse, torch.full((4,), DISTORTION[b]), rtol=0.15), (b, mse)
+
+
+def test_allocation_spends_the_budget_and_favours_large_weighted_variance():
+    variances = torch.tensor([100.0, 10.0, 1.0, 0.01])
+    bits = allocate_bits(variances, torch.ones(4), total_bits=12)
+    assert int(bits.sum()) == 12
+    assert bits[0] >= bits[1] >= bits[2] >= bits[3]
+    weighted = allocate_bits(variances, torch.tensor([1.0, 1.0, 1.0, 1e6]), total_bits=12)
+    assert weighted[3] > bits[3]
+
+
+def test_zero_bit_components_decode_to_zero():
+    bits = torch.tensor([0, 4])
+    zhat = dequantize(quantize(torch.randn(5, 2), torch.ones(2), bits), torch.ones(2), bits)
+    assert torch.all(zhat[:, 0] == 0) and torch.any(zhat[:, 1] != 0)
