@@ -9,19 +9,22 @@ the oracle (its own prefill) and the true next tokens.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from scd_store.adapters.transformers import continue_with_prefix, load_model, prefill_capture
+from scd_store.adapters.transformers import LoadedModel, continue_with_prefix, load_model, prefill_capture
 from scd_store.bench.metrics import ContinuationScore
 from scd_store.bench.windows import eval_windows
 from scd_store.codecs import make_codec
+from scd_store.codecs.scd.bundle import load_pair, load_space
+from scd_store.codecs.scd.codec import ScdCodec
 from scd_store.models import catalog
 
 BASELINE_METHODS = ("oracle", "none", "raw", "int8", "int4")
+SCD_METHOD = "scd"
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,19 +39,23 @@ class QualityConfig:
     seed: int = 0
     methods: tuple[str, ...] = BASELINE_METHODS
     device: str = "cpu"
+    bundle: str | None = None  # an SCD calibration bundle: adds the "scd" method
 
     def __post_init__(self) -> None:
         if self.windows <= 0 or self.prefix_tokens <= 0 or self.continuation_tokens <= 0:
             raise ValueError("windows, prefix_tokens and continuation_tokens must be positive")
-        unknown = set(self.methods) - set(BASELINE_METHODS)
+        unknown = set(self.methods) - set(BASELINE_METHODS) - {SCD_METHOD}
         if unknown:
             raise ValueError(f"unknown methods {sorted(unknown)}; known: {', '.join(BASELINE_METHODS)}")
         if "oracle" not in self.methods:
             raise ValueError("the oracle method is required: every metric is relative to it")
+        if self.bundle is not None and SCD_METHOD not in self.methods:
+            object.__setattr__(self, "methods", (*self.methods, SCD_METHOD))
+        if SCD_METHOD in self.methods and self.bundle is None:
+            raise ValueError("the scd method needs a calibration bundle (--bundle DIR)")
 
     def quick(self) -> QualityConfig:
-        return QualityConfig(self.consumer, self.producer, min(self.windows, 6), self.prefix_tokens,
-                             min(self.continuation_tokens, 32), self.seed, self.methods, self.device)
+        return replace(self, windows=min(self.windows, 6), continuation_tokens=min(self.continuation_tokens, 32))
 
 
 @dataclass(slots=True)
@@ -74,7 +81,9 @@ def run_quality(config: QualityConfig, progress: bool = True) -> QualityReport:
     length = config.prefix_tokens + config.continuation_tokens + 1
     windows = eval_windows(consumer.tokenizer, spec.corpus, config.windows, length, config.seed)
     scores = {name: ContinuationScore() for name in config.methods}
-    codecs = {name: make_codec(name) for name in config.methods if name not in ("oracle", "none")}
+    codecs = {name: make_codec(name) for name in config.methods if name not in ("oracle", "none", SCD_METHOD)}
+    if config.bundle is not None:
+        codecs[SCD_METHOD] = load_scd_codec(Path(config.bundle), producer, consumer)
     p = config.prefix_tokens
     for window in tqdm(windows, desc=f"quality {config.consumer}", unit="window", disable=not progress):
         prefix, feed, targets = window[:p], window[p:-1], window[p + 1 :]
@@ -108,6 +117,12 @@ def run_quality(config: QualityConfig, progress: bool = True) -> QualityReport:
             "payload_ratio": round(s.bytes_per_token / fp16_per_token, 4),
         })
     return report
+
+
+def load_scd_codec(bundle: Path, producer: LoadedModel, consumer: LoadedModel) -> ScdCodec:
+    """The SCD codec of ``bundle`` for this producer / consumer pair (fingerprints checked)."""
+    space = load_space(bundle, producer_fingerprint=producer.fingerprint)
+    return ScdCodec(space, load_pair(bundle, consumer.name, space, consumer_fingerprint=consumer.fingerprint))
 
 
 def write_report(report: QualityReport, path: Path | None) -> None:

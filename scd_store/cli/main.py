@@ -45,12 +45,23 @@ def _bench_quality(args: argparse.Namespace) -> int:
     from scd_store.cli.tables import print_quality
 
     config = QualityConfig(args.consumer, windows=args.windows, seed=args.seed, device=args.device,
-                           prefix_tokens=args.prefix_tokens, continuation_tokens=args.continuation_tokens)
+                           prefix_tokens=args.prefix_tokens, continuation_tokens=args.continuation_tokens,
+                           bundle=str(args.bundle) if args.bundle else None)
     if args.quick:
         config = config.quick()
     report = run_quality(config)
     print_quality(report)
     write_report(report, args.json)
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    import json
+
+    from scd_store.adapters.transformers.calibrate_cli import calibrate
+
+    print(json.dumps(calibrate(args.producer, args.consumer, args.out, budget=args.budget, steps=args.steps,
+                               windows=args.windows, reuse_space=args.reuse_space), indent=2))
     return 0
 
 
@@ -90,7 +101,19 @@ def build_parser() -> argparse.ArgumentParser:
     quality.add_argument("--quick", action="store_true", help="6 windows, 32 scored tokens")
     quality.add_argument("--device", default="cpu")
     quality.add_argument("--json", type=Path, help="write the report here")
+    quality.add_argument("--bundle", type=Path, help="an SCD calibration bundle: adds the scd method")
     quality.set_defaults(func=_bench_quality)
+
+    cal = sub.add_parser("calibrate", help="fit a code space and distil consumer decoders into a bundle")
+    cal.add_argument("--producer", default="smollm2-135m-instruct")
+    cal.add_argument("--consumer", action="append", required=True, help="repeat for a shared code space")
+    cal.add_argument("--out", type=Path, required=True, help="bundle directory")
+    cal.add_argument("--budget", type=float, default=0.25, help="coded payload against raw fp16 KV")
+    cal.add_argument("--steps", type=int, default=None, help="distillation steps per consumer")
+    cal.add_argument("--windows", type=int, default=None, help="distillation windows per consumer")
+    cal.add_argument("--reuse-space", action="store_true",
+                     help="keep the bundle's existing code space (stored codes stay valid); only add decoders")
+    cal.set_defaults(func=_calibrate)
 
     demo = sub.add_parser("demo", help="the main job: quick quality tables for every consumer")
     demo.add_argument("--device", default="cpu")
