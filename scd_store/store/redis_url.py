@@ -12,6 +12,7 @@ A ``?cluster=true`` query on a ``redis://`` / ``rediss://`` URL also selects Clu
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -38,9 +39,7 @@ class RedisTarget:
 
     def redacted(self) -> str:
         """The URL with the password hidden (for logs)."""
-        if self.password is None:
-            return self.url
-        return self.url.replace(f":{self.password}@", ":***@", 1)
+        return re.sub(r"(://[^:@/]*:)[^@/]*@", r"\1***@", self.url, count=1)
 
 
 def parse_redis_url(url: str) -> RedisTarget:

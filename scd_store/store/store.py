@@ -234,7 +234,14 @@ class TieredStore:
         for ti in range(first_remote):
             if not pending:
                 break
-            pending = self._absorb(ti, pending, keys, results, op, space, self._local_call(ti, op, keys, pending))
+            pending, bad = self._absorb(ti, pending, keys, results, op, space,
+                                        self._local_call(ti, op, keys, pending))
+            if bad:
+                tier = self.tiers[ti]
+                assert isinstance(tier, LocalTier)
+                for key in bad:
+                    with contextlib.suppress(Exception):
+                        tier.delete_now(key)
         if pending and first_remote < len(self.tiers):
             self._loop.run(self._walk_remote(first_remote, pending, keys, results, op, space),
                            timeout=self.op_timeout_s * (len(self.tiers) - first_remote) + 5.0)
@@ -250,7 +257,9 @@ class TieredStore:
             fn = (lambda t=tier, b=batch: t.contains_many(b)) if op == "contains" else (
                 lambda t=tier, b=batch: t.get_many(b))
             values = await self._call(tier, op, fn, None)
-            pending = self._absorb(ti, pending, keys, results, op, space, values)
+            pending, bad = self._absorb(ti, pending, keys, results, op, space, values)
+            if bad:
+                await self._call(tier, "delete", lambda t=tier, b=bad: t.delete_many(b), 0)
 
     def _local_call(self, ti: int, op: str, keys: list[str], pending: list[int]) -> list[Any] | None:
         tier = self.tiers[ti]
@@ -271,9 +280,10 @@ class TieredStore:
         return values
 
     def _absorb(self, ti: int, pending: list[int], keys: list[str], results: list[Any], op: str,
-                space: Space | None, values: list[Any] | None) -> list[int]:
+                space: Space | None, values: list[Any] | None) -> tuple[list[int], list[str]]:
+        """Record what tier ``ti`` returned; return the still-missing indices and the keys of bad blobs."""
         if values is None:
-            return pending
+            return pending, []
         still: list[int] = []
         bad: list[str] = []
         for i, value in zip(pending, values, strict=True):
@@ -295,24 +305,8 @@ class TieredStore:
                 continue
             results[i] = _Found(blob, value, ti)
         if bad:
-            self._evict_bad(ti, bad, space)
-        return still
-
-    def _evict_bad(self, ti: int, keys: list[str], space: Space | None) -> None:
-        tier = self.tiers[ti]
-        self.stats.inc("corrupt_blobs", len(keys), tier=tier.name, space=space.space_id if space else "")
-
-        async def _delete() -> None:
-            await self._call(tier, "delete", lambda: tier.delete_many(keys), 0)
-
-        if isinstance(tier, LocalTier):
-            for key in keys:
-                with contextlib.suppress(Exception):
-                    tier.delete_now(key)
-        elif self._loop.in_loop:
-            asyncio.ensure_future(_delete())
-        else:
-            self._loop.submit(_delete())
+            self.stats.inc("corrupt_blobs", len(bad), tier=self.tiers[ti].name, space=space.space_id if space else "")
+        return still, bad
 
     def _get(self, space: Space, tokens: Tokens, pair_id: str) -> list[CodeChunk]:
         t0 = time.perf_counter()
