@@ -8,11 +8,17 @@ an LRU policy); ``server_maxmemory`` asks the tier to set it on start.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import contextlib
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from scd_store.store.redis_url import make_async_client, parse_redis_url
 from scd_store.store.tiers.base import Tier, TierUsage
+
+T = TypeVar("T")
 
 
 class RedisTier(Tier):
@@ -58,15 +64,28 @@ class RedisTier(Tier):
             client, self._client = self._client, None
             await client.aclose()
 
+    async def _run(self, fn: Callable[[Any], Awaitable[T]]) -> T:
+        """Run ``fn(client)``; on a connection failure drop the whole client (its pooled connections may
+        all be stale after a server restart) so the next call starts from fresh connections."""
+        client = self.client
+        try:
+            return await fn(client)
+        except (RedisConnectionError, RedisTimeoutError, OSError):
+            if self._client is client:
+                self._client = None
+                with contextlib.suppress(Exception):
+                    await client.aclose()
+            raise
+
     async def get(self, key: str) -> bytes | None:
-        return await self.client.get(key)
+        return await self._run(lambda c: c.get(key))
 
     async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         if not keys:
             return []
         if self.is_cluster:
-            return list(await self.client.mget_nonatomic(list(keys)))
-        return list(await self.client.mget(list(keys)))
+            return list(await self._run(lambda c: c.mget_nonatomic(list(keys))))
+        return list(await self._run(lambda c: c.mget(list(keys))))
 
     def _accept(self, value: bytes) -> bool:
         if len(value) > self.max_value_bytes:
@@ -76,7 +95,7 @@ class RedisTier(Tier):
 
     async def put(self, key: str, value: bytes) -> None:
         if self._accept(value):
-            await self.client.set(key, value, px=self.ttl_ms)
+            await self._run(lambda c: c.set(key, value, px=self.ttl_ms))
             self.bytes_written += len(value)
 
     async def put_many(self, items: Sequence[tuple[str, bytes]]) -> None:
@@ -86,25 +105,36 @@ class RedisTier(Tier):
         if len(accepted) == 1:
             await self.put(*accepted[0])
             return
-        pipe = self.client.pipeline(transaction=False)
-        for key, value in accepted:
-            pipe.set(key, value, px=self.ttl_ms)
-        await pipe.execute()
+        async def write(client: Any) -> None:
+            pipe = client.pipeline(transaction=False)
+            for key, value in accepted:
+                pipe.set(key, value, px=self.ttl_ms)
+            await pipe.execute()
+
+        await self._run(write)
         self.bytes_written += sum(len(v) for _, v in accepted)
 
     async def contains(self, key: str) -> bool:
-        return bool(await self.client.exists(key))
+        return bool(await self._run(lambda c: c.exists(key)))
 
     async def contains_many(self, keys: Sequence[str]) -> list[bool]:
         if not keys:
             return []
-        pipe = self.client.pipeline(transaction=False)
-        for key in keys:
-            pipe.exists(key)
-        return [bool(n) for n in await pipe.execute()]
+        async def check(client: Any) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(key)
+            return await pipe.execute()
+
+        return [bool(n) for n in await self._run(check)]
 
     async def delete(self, key: str) -> bool:
-        return bool(await self.client.delete(key))
+        return bool(await self._run(lambda c: c.delete(key)))
+
+    async def delete_many(self, keys: Sequence[str]) -> int:
+        if not keys:
+            return 0
+        return int(await self._run(lambda c: c.delete(*keys)))  # the cluster client splits it by slot
 
     def usage(self) -> TierUsage:
         return TierUsage(0, self.bytes_written, self.server_maxmemory)
