@@ -64,6 +64,13 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_store_commands(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:
+    from scd_store.cli.store_cmds import add_bench_store_parser, add_stats_parser
+
+    add_stats_parser(sub)
+    add_bench_store_parser(bench)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="scd-store", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -91,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     quality.add_argument("--device", default="cpu")
     quality.add_argument("--json", type=Path, help="write the report here")
     quality.set_defaults(func=_bench_quality)
+    _add_store_commands(sub, bench)
 
     demo = sub.add_parser("demo", help="the main job: quick quality tables for every consumer")
     demo.add_argument("--device", default="cpu")
