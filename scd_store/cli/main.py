@@ -75,6 +75,13 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_store_commands(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:
+    from scd_store.cli.store_cmds import add_bench_store_parser, add_stats_parser
+
+    add_stats_parser(sub)
+    add_bench_store_parser(bench)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="scd-store", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -103,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     quality.add_argument("--json", type=Path, help="write the report here")
     quality.add_argument("--bundle", type=Path, help="an SCD calibration bundle: adds the scd method")
     quality.set_defaults(func=_bench_quality)
+    _add_store_commands(sub, bench)
 
     cal = sub.add_parser("calibrate", help="fit a code space and distil consumer decoders into a bundle")
     cal.add_argument("--producer", default="smollm2-135m-instruct")

@@ -1,0 +1,248 @@
+"""The Redis tier, the store, the registry and the stats mirror against real redis-server processes
+(standalone and a 3-master cluster) that these tests start on free loopback ports."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+import redis
+
+from integration_tests.redis_servers import RedisCluster, RedisServer
+from scd_store.store.keys import chunk_keys
+from scd_store.store.registry import FileRegistry, NotRegistered, Pair, RedisRegistry, Space
+from scd_store.store.stats import REDIS_STATS_KEY, RedisStatsMirror, StoreStats, read_redis_stats
+from scd_store.store.store import TieredStore
+from scd_store.store.tiers.cpu import CpuTier
+from scd_store.store.tiers.redis_tier import RedisTier
+
+SPACE = Space("sp", "producer-m", "prod-fp", "space-fp", chunk_size=4, raw_kv_bytes_per_token=500)
+PAIR = Pair("pair", "sp", "consumer-m", "cons-fp", "pair-fp")
+TOKENS = list(range(4 * 8))
+PAYLOADS = [bytes([i]) * (1000 + i) for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with RedisServer(tmp_path_factory.mktemp("redis")) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with RedisCluster(tmp_path_factory.mktemp("cluster")) as c:
+        yield c
+
+
+@pytest.fixture
+def raw(server):
+    client = redis.Redis(host="127.0.0.1", port=server.port)
+    client.flushall()
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def registry(tmp_path):
+    reg = FileRegistry(tmp_path / "registry.json")
+    reg.register_space(SPACE)
+    reg.register_pair(PAIR)
+    return reg
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def _tier_round_trip(tier: RedisTier, keys: list[str]) -> None:
+    await tier.start()
+    try:
+        await tier.put_many([(k, k.encode() * 3) for k in keys[:-1]])
+        assert await tier.get_many(keys) == [k.encode() * 3 for k in keys[:-1]] + [None]
+        assert await tier.contains_many(keys) == [True] * (len(keys) - 1) + [False]
+        await tier.put(keys[-1], b"\x00" * (3 << 20))  # one 3 MiB SET: whole or nothing
+        assert await tier.get(keys[-1]) == b"\x00" * (3 << 20)
+        assert await tier.delete(keys[0]) and not await tier.contains(keys[0])
+        assert await tier.delete_many(keys[1:4]) == 3 and await tier.get_many(keys[1:4]) == [None] * 3
+        await tier.put_many([(k, b"back") for k in keys[1:4]])
+    finally:
+        await tier.close()
+
+
+def test_standalone_round_trip(server, raw) -> None:
+    run(_tier_round_trip(RedisTier(server.url), chunk_keys("sp", list(range(40)), 4)))
+    assert raw.dbsize() == 9
+
+
+def test_cluster_round_trip_across_slots(cluster) -> None:
+    keys = chunk_keys("sp", list(range(200)), 4)  # 50 keys spread over the 3 masters
+    run(_tier_round_trip(RedisTier(cluster.url), keys))
+    sizes = [int(n.cli("DBSIZE").strip()) for n in cluster.nodes]
+    assert sum(sizes) == len(keys) - 1 and all(s > 0 for s in sizes)  # one key was deleted
+
+
+def test_ttl(server, raw) -> None:
+    key = chunk_keys("sp", [1, 2, 3, 4], 4)[0]
+
+    async def go() -> bytes | None:
+        tier = RedisTier(server.url, ttl_s=0.3)
+        try:
+            await tier.put(key, b"short-lived")
+            assert 0 < raw.pttl(key) <= 300
+            assert await tier.get(key) == b"short-lived"
+            await asyncio.sleep(0.6)
+            return await tier.get(key)
+        finally:
+            await tier.close()
+
+    assert run(go()) is None
+
+
+def test_max_value_bytes_and_server_maxmemory(tmp_path) -> None:
+    keys = chunk_keys("sp", list(range(4 * 40)), 4)
+    with RedisServer(tmp_path / "small") as srv:
+        async def go() -> RedisTier:
+            tier = RedisTier(srv.url, max_value_bytes=1 << 20, server_maxmemory=4 << 20)
+            await tier.start()
+            try:
+                await tier.put(keys[0], b"x" * ((1 << 20) + 1))
+                for key in keys:
+                    await tier.put(key, b"y" * (256 << 10))
+            finally:
+                await tier.close()
+            return tier
+
+        tier = run(go())
+        assert tier.rejected == 1
+        client = redis.Redis(host="127.0.0.1", port=srv.port)
+        assert client.config_get("maxmemory")["maxmemory"] == str(4 << 20)
+        assert client.dbsize() < len(keys)  # the server evicted to stay within its budget
+        assert not client.exists(keys[0]) and client.exists(keys[-1])
+        client.close()
+
+
+def test_store_over_redis_round_trip_and_corruption(server, raw, registry) -> None:
+    store = TieredStore([CpuTier(1 << 20), RedisTier(server.url)], registry, chunk_size=4)
+    try:
+        keys = store.put("sp", TOKENS, PAYLOADS, producer="producer-m", codec_id="raw")
+        store.flush()
+        assert raw.exists(*keys) == 8
+        for key in keys:
+            store.tiers[0].delete_now(key)
+        raw.set(keys[5], b"SCDB but not really")
+        chunks = store.get("pair", TOKENS, consumer="consumer-m")
+        assert [bytes(c.payload) for c in chunks] == PAYLOADS[:5] and {c.tier for c in chunks} == {"redis"}
+        assert store.stats.value("corrupt_blobs", tier="redis") == 1
+        assert not raw.exists(keys[5])  # evicted from Redis
+        assert store.contains_prefix("sp", TOKENS) == 20
+        assert store.stats.value("bytes_saved", pair="pair") == 5 * 4 * 500 - sum(len(raw.get(k)) for k in keys[:5])
+    finally:
+        store.close()
+
+
+def test_store_over_cluster(cluster, registry) -> None:
+    store = TieredStore([CpuTier(1 << 20), RedisTier(cluster.url)], registry, chunk_size=4)
+    try:
+        keys = store.put("sp", TOKENS, PAYLOADS, producer="producer-m", codec_id="raw")
+        store.flush()
+        for key in keys:
+            store.tiers[0].delete_now(key)
+        assert store.lookup_prefix("sp", TOKENS).tiers == ("redis",) * 8
+        assert [bytes(c.payload) for c in store.get("pair", TOKENS, consumer="consumer-m")] == PAYLOADS
+    finally:
+        store.close()
+
+
+def test_server_killed_then_restarted(tmp_path, registry, caplog) -> None:
+    srv = RedisServer(tmp_path / "outage").start()
+    op_timeout = 1.0
+    store = TieredStore([CpuTier(1 << 20), RedisTier(srv.url, socket_timeout=op_timeout, connect_timeout=0.5)],
+                        registry, chunk_size=4, op_timeout_s=op_timeout, put_timeout_s=3.0, backoff_min_s=0.05,
+                        backoff_max_s=0.2)
+    try:
+        keys = store.put("sp", TOKENS, PAYLOADS, producer="producer-m", codec_id="raw")
+        store.flush()
+        for key in keys:
+            store.tiers[0].delete_now(key)
+        srv.kill()
+        with caplog.at_level("WARNING", logger="scd_store.store"):
+            for _ in range(6):
+                t0 = time.monotonic()
+                assert store.get("pair", TOKENS, consumer="consumer-m") == []
+                assert store.contains_prefix("sp", TOKENS) == 0
+                assert time.monotonic() - t0 < 2 * op_timeout + 5.0  # bounded by the op timeout, not hung
+                time.sleep(0.05)
+            store.put("sp", TOKENS, PAYLOADS[:2], producer="producer-m", codec_id="raw")  # top tier still works
+            assert store.contains_prefix("sp", TOKENS) == 8
+            assert store.stats.value("tier_errors", tier="redis") >= 1
+            assert store.health["redis"].down
+            srv.start()
+            redis.Redis(host="127.0.0.1", port=srv.port).set("warm", "1")
+            deadline = time.monotonic() + 15
+            while store.health["redis"].down and time.monotonic() < deadline:
+                store.contains_prefix("sp", TOKENS)
+                time.sleep(0.05)
+        assert not store.health["redis"].down and store.health["redis"].incidents == 1
+        assert sum("failed" in r.message for r in caplog.records) == 1
+        assert sum("recovered" in r.message for r in caplog.records) == 1
+        store.put("sp", TOKENS, PAYLOADS, producer="producer-m", codec_id="raw")
+        store.flush()
+        assert redis.Redis(host="127.0.0.1", port=srv.port).exists(*keys) == 8
+    finally:
+        store.close()
+        srv.stop()
+
+
+def test_registry_in_redis(server, raw) -> None:
+    reg = RedisRegistry(server.url)
+    reg.register_space(SPACE)
+    reg.register_pair(PAIR)
+    other = RedisRegistry(server.url)  # another process
+    assert other.resolve("pair", "consumer-m") == (PAIR, SPACE)
+    with pytest.raises(NotRegistered, match="'stranger' is not registered"):
+        other.resolve("pair", "stranger")
+    with pytest.raises(NotRegistered):
+        other.pair("missing")
+    assert json.loads(raw.hget("scd:__registry__:spaces", "sp"))["producer_model_id"] == "producer-m"
+    reg.close()
+    other.close()
+
+
+def test_registry_in_cluster(cluster) -> None:
+    reg = RedisRegistry(cluster.url)
+    reg.register_space(SPACE, replace=True)
+    assert reg.space("sp") == SPACE
+    reg.close()
+
+
+def test_stats_mirrored_in_redis(server, raw, registry) -> None:
+    stores = [TieredStore([CpuTier(1 << 20), RedisTier(server.url)], registry, chunk_size=4,
+                          stats=StoreStats(), stats_mirror=RedisStatsMirror(server.url), stats_flush_s=60)
+              for _ in range(2)]
+    try:
+        stores[0].put("sp", TOKENS, PAYLOADS, producer="producer-m", codec_id="raw")
+        stores[0].flush()
+        for st in stores:
+            assert len(st.get("pair", TOKENS, consumer="consumer-m")) == 8
+            st.flush_stats()
+    finally:
+        for st in stores:
+            st.close()
+    assert raw.hget(REDIS_STATS_KEY, "c|hit_chunks|cpu|sp|pair") == b"8"
+    assert raw.hget(REDIS_STATS_KEY, "c|hit_chunks|redis|sp|pair") == b"8"  # the second process read Redis
+    snapshot = read_redis_stats(server.url)
+    lookups = [c for c in snapshot["counters"] if c["name"] == "lookups" and c["pair"] == "pair"]
+    assert lookups[0]["value"] == 2 and any(h["op"] == "get" for h in snapshot["latency"])
+
+
+def test_stats_cli_reads_redis(server, raw, capsys) -> None:
+    from scd_store.cli.main import main
+
+    raw.hincrby(REDIS_STATS_KEY, "c|hit_tokens|redis|sp|pair", 4096)
+    assert main(["stats", "--redis", server.url, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {"name": "hit_tokens", "tier": "redis", "space": "sp", "pair": "pair", "value": 4096} in out["counters"]
+    assert main(["stats", "--redis", server.url]) == 0
+    assert "hit_tokens" in capsys.readouterr().out

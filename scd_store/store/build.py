@@ -1,0 +1,74 @@
+"""Build a :class:`TieredStore` (tiers, registry, stats wiring) from a :class:`StoreConfig`."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from scd_store.store.config import StoreConfig, TierConfig, load_config
+from scd_store.store.registry import FileRegistry, RedisRegistry, Registry
+from scd_store.store.stats import RedisStatsMirror, StoreStats
+from scd_store.store.store import TieredStore
+from scd_store.store.tiers.base import Tier
+
+log = logging.getLogger("scd_store.store")
+
+
+def build_tier(cfg: TierConfig) -> Tier | None:
+    """One tier from its config; None for a GPU tier without CUDA (logged)."""
+    if cfg.kind == "cpu":
+        from scd_store.store.tiers.cpu import CpuTier
+
+        return CpuTier(int(cfg.max_bytes), pinned=cfg.pinned)
+    if cfg.kind == "disk":
+        from scd_store.store.tiers.disk import DiskTier
+
+        return DiskTier(str(cfg.path), int(cfg.max_bytes), fsync=cfg.fsync)
+    if cfg.kind == "redis":
+        from scd_store.store.tiers.redis_tier import RedisTier
+
+        return RedisTier(str(cfg.url), ttl_s=cfg.ttl_s, max_value_bytes=int(cfg.max_value_bytes),
+                         server_maxmemory=int(cfg.max_bytes) if cfg.apply_server_maxmemory else None)
+    import torch
+
+    if not torch.cuda.is_available():
+        log.warning("store config lists a gpu tier but CUDA is not available: skipping it")
+        return None
+    from scd_store.store.tiers.gpu import GpuTier
+
+    return GpuTier(int(cfg.max_bytes))
+
+
+def open_registry_for(config: StoreConfig) -> Registry:
+    url = config.registry_url or config.redis_url
+    if url:
+        return RedisRegistry(url)
+    if config.registry_path:
+        return FileRegistry(config.registry_path)
+    from scd_store.paths import data_dir
+
+    return FileRegistry(data_dir() / "store" / "registry.json")
+
+
+def open_store(config: StoreConfig | None = None, *, registry: Registry | None = None,
+               stats: StoreStats | None = None) -> TieredStore:
+    """The store described by ``config`` (default: :func:`load_config`, i.e. CPU + local disk)."""
+    config = config if config is not None else load_config()
+    built = [(cfg, build_tier(cfg)) for cfg in config.tiers]
+    pairs = [(cfg, tier) for cfg, tier in built if tier is not None]
+    stats = stats if stats is not None else StoreStats()
+    if config.metrics_port is not None:
+        stats.serve_http(config.metrics_port)
+    mirror_url = config.stats_redis_url or config.redis_url
+    snapshot_path = None
+    if not mirror_url:
+        from scd_store.paths import data_dir
+
+        snapshot_path = str(Path(data_dir()) / "store" / "stats.json")
+    return TieredStore([t for _, t in pairs], registry if registry is not None else open_registry_for(config),
+                       chunk_size=config.chunk_size, stats=stats, op_timeout_s=config.op_timeout_s,
+                       put_timeout_s=config.put_timeout_s, queue_size=[c.queue_size for c, _ in pairs],
+                       writers=[c.writers for c, _ in pairs], backoff_min_s=config.retry_backoff_min_s,
+                       backoff_max_s=config.retry_backoff_max_s,
+                       stats_mirror=RedisStatsMirror(mirror_url) if mirror_url else None,
+                       snapshot_path=snapshot_path)

@@ -1,0 +1,136 @@
+"""The tier interface: a small ABC with batched operations that default to loops.
+
+Every tier is async (it runs on the store's event loop). A :class:`LocalTier` (CPU, GPU) is also
+callable synchronously from any thread through its ``*_now`` methods, so a lookup that hits only
+local tiers never crosses threads.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+EvictListener = Callable[[str, str, int], None]  # (tier name, key, bytes)
+
+
+class TierError(RuntimeError):
+    """A tier could not serve a request (connection lost, I/O error, bad configuration)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TierUsage:
+    """How full a tier is. ``capacity_bytes`` is None when the tier does not bound it itself."""
+
+    items: int
+    bytes_used: int
+    capacity_bytes: int | None
+
+
+class Tier(ABC):
+    """One level of the store. Values are opaque bytes (code blobs); keys are store keys."""
+
+    kind: str = "tier"
+    local: bool = False
+
+    def __init__(self, name: str | None = None) -> None:
+        self.name = name or self.kind
+        self._on_evict: EvictListener | None = None
+
+    def set_evict_listener(self, listener: EvictListener | None) -> None:
+        """Called as ``listener(tier_name, key, nbytes)`` for every eviction the tier makes by itself."""
+        self._on_evict = listener
+
+    def _evicted(self, key: str, nbytes: int) -> None:
+        if self._on_evict is not None:
+            self._on_evict(self.name, key, nbytes)
+
+    async def start(self) -> None:
+        """Open connections / scan state. Called once on the store's loop."""
+        return None
+
+    async def close(self) -> None:
+        """Release resources."""
+        return None
+
+    @abstractmethod
+    async def get(self, key: str) -> bytes | None:
+        """The value, or None when absent."""
+
+    @abstractmethod
+    async def put(self, key: str, value: bytes) -> None:
+        """Store ``value`` whole (a reader never sees half of it)."""
+
+    @abstractmethod
+    async def contains(self, key: str) -> bool:
+        """Whether ``key`` is present."""
+
+    @abstractmethod
+    async def delete(self, key: str) -> bool:
+        """Remove ``key``; True when it was present."""
+
+    @abstractmethod
+    def usage(self) -> TierUsage:
+        """Items and bytes held, as far as this process knows."""
+
+    async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        return [await self.get(k) for k in keys]
+
+    async def put_many(self, items: Sequence[tuple[str, bytes]]) -> None:
+        for key, value in items:
+            await self.put(key, value)
+
+    async def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        return [await self.contains(k) for k in keys]
+
+    async def delete_many(self, keys: Sequence[str]) -> int:
+        return sum([await self.delete(k) for k in keys])
+
+
+class LocalTier(Tier):
+    """A tier in this process's memory: synchronous, thread-safe ``*_now`` methods back the async ones."""
+
+    local = True
+
+    @abstractmethod
+    def get_now(self, key: str) -> bytes | None: ...
+
+    @abstractmethod
+    def put_now(self, key: str, value: bytes) -> None: ...
+
+    @abstractmethod
+    def contains_now(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def delete_now(self, key: str) -> bool: ...
+
+    def get_many_now(self, keys: Sequence[str]) -> list[bytes | None]:
+        return [self.get_now(k) for k in keys]
+
+    def put_many_now(self, items: Sequence[tuple[str, bytes]]) -> None:
+        for key, value in items:
+            self.put_now(key, value)
+
+    def contains_many_now(self, keys: Sequence[str]) -> list[bool]:
+        return [self.contains_now(k) for k in keys]
+
+    async def get(self, key: str) -> bytes | None:
+        return self.get_now(key)
+
+    async def put(self, key: str, value: bytes) -> None:
+        self.put_now(key, value)
+
+    async def contains(self, key: str) -> bool:
+        return self.contains_now(key)
+
+    async def delete(self, key: str) -> bool:
+        return self.delete_now(key)
+
+    async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        return self.get_many_now(keys)
+
+    async def put_many(self, items: Sequence[tuple[str, bytes]]) -> None:
+        self.put_many_now(items)
+
+    async def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        return self.contains_many_now(keys)

@@ -1,0 +1,74 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import xxhash
+
+from scd_store.store.keys import (
+    ROOT_HASH,
+    KeyError_,
+    chunk_hashes,
+    chunk_keys,
+    make_key,
+    parse_key,
+    validate_space_id,
+)
+
+
+def test_chain_matches_definition() -> None:
+    tokens = list(range(10))
+    hashes = chunk_hashes(tokens, 4)
+    assert len(hashes) == 2  # the trailing partial chunk (2 tokens) has no key
+    h1 = xxhash.xxh3_128(ROOT_HASH + np.arange(4, dtype="<i8").tobytes()).digest()
+    h2 = xxhash.xxh3_128(h1 + np.arange(4, 8, dtype="<i8").tobytes()).digest()
+    assert hashes == [h1, h2]
+
+
+def test_prefix_property_and_parent_dependence() -> None:
+    a = chunk_hashes(list(range(12)), 4)
+    b = chunk_hashes(list(range(8)) + [99, 100, 101, 102], 4)
+    assert a[:2] == b[:2] and a[2] != b[2]
+    # the same chunk after a different parent gets a different hash
+    c = chunk_hashes([7, 7, 7, 7] + list(range(4, 8)), 4)
+    assert c[1] != a[1]
+
+
+def test_stable_across_input_types() -> None:
+    tokens = [5, 1, 2, 3, 4, 0, 9, 8]
+    expected = chunk_keys("sp", tokens, 4)
+    assert chunk_keys("sp", np.array(tokens, dtype=np.int32), 4) == expected
+    assert chunk_keys("sp", tuple(tokens), 4) == expected
+    assert chunk_keys("sp", np.array(tokens, dtype=np.uint16), 4) == expected
+
+
+def test_key_format_and_parse() -> None:
+    keys = chunk_keys("space.1", list(range(512)))
+    assert len(keys) == 2
+    for key in keys:
+        space, hex_ = parse_key(key)
+        assert key == f"scd:space.1:{hex_}" and space == "space.1" and len(hex_) == 32
+    assert make_key("space.1", bytes.fromhex(parse_key(keys[0])[1])) == keys[0]
+
+
+@pytest.mark.parametrize("tokens", [[1, 2.5, 3, 4], ["a", "b"], [1, -1, 2, 3], [[1, 2], [3, 4]], "abcd", [2**70]])
+def test_bad_tokens(tokens) -> None:
+    with pytest.raises(KeyError_):
+        chunk_keys("sp", tokens, 2)
+
+
+@pytest.mark.parametrize("space", ["", "a:b", "-x", "x" * 129, "a b", 5, None])
+def test_bad_space_ids(space) -> None:
+    with pytest.raises(KeyError_):
+        validate_space_id(space)
+
+
+@pytest.mark.parametrize("key", ["scd:sp:xyz", "foo:sp:" + "0" * 32, "scd:sp", "scd:a:b:" + "0" * 32])
+def test_bad_keys(key) -> None:
+    with pytest.raises(KeyError_):
+        parse_key(key)
+
+
+def test_bad_chunk_size() -> None:
+    with pytest.raises(KeyError_):
+        chunk_hashes([1, 2], 0)
+    assert chunk_hashes([], 4) == [] and chunk_hashes([1, 2, 3], 4) == []
