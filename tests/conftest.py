@@ -15,9 +15,18 @@ def tiny_llama(seed: int = 0, layers: int = 3) -> LlamaForCausalLM:
     return LlamaForCausalLM(config).eval()
 
 
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> str:
+    """Every device present: the CPU always, CUDA where available."""
+    return request.param
+
+
 @pytest.fixture
-def tiny_model() -> LlamaForCausalLM:
-    return tiny_llama()
+def tiny_model(device) -> LlamaForCausalLM:
+    return tiny_llama().to(device)
 
 
 @pytest.fixture

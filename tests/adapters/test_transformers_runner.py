@@ -5,8 +5,8 @@ from scd_store.adapters.transformers import build_cache, continue_with_prefix, g
 from scd_store.codecs import KVState
 
 
-def test_capture_shapes_and_hidden_states(tiny_model):
-    ids = torch.randint(0, 128, (20,))
+def test_capture_shapes_and_hidden_states(tiny_model, device):
+    ids = torch.randint(0, 128, (20,), device=device)
     state, logits = prefill_capture(tiny_model, ids, hidden_layers=[0, 2])
     assert state.keys.shape == (3, 2, 20, 16)
     assert set(state.hidden) == {0, 2} and state.hidden[2].shape == (20, 64)
@@ -17,8 +17,9 @@ def test_capture_shapes_and_hidden_states(tiny_model):
     torch.testing.assert_close(state.hidden[0], expected)
 
 
-def test_injecting_own_kv_reproduces_direct_forward(tiny_model):
-    ids = torch.randint(0, 128, (48,))
+def test_injecting_own_kv_reproduces_direct_forward(tiny_model, device):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ids = torch.randint(0, 128, (48,), device=device)
     with torch.no_grad():
         direct = tiny_model(input_ids=ids[None]).logits[0]
     state, _ = prefill_capture(tiny_model, ids[:32])
@@ -26,10 +27,10 @@ def test_injecting_own_kv_reproduces_direct_forward(tiny_model):
     assert (continued - direct[32:]).abs().max() < 1e-4
 
 
-def test_foreign_kv_changes_the_logits(tiny_model):
+def test_foreign_kv_changes_the_logits(tiny_model, device):
     from tests.conftest import tiny_llama
 
-    other = tiny_llama(seed=1)
+    other = tiny_llama(seed=1).to(device)
     ids = torch.randint(0, 128, (40,))
     own, _ = prefill_capture(tiny_model, ids[:30])
     foreign, _ = prefill_capture(other, ids[:30])
@@ -38,14 +39,14 @@ def test_foreign_kv_changes_the_logits(tiny_model):
     assert (a - b).abs().max() > 1e-3
 
 
-def test_greedy_generation_matches_full_recompute(tiny_model):
-    ids = torch.randint(0, 128, (24,))
+def test_greedy_generation_matches_full_recompute(tiny_model, device):
+    ids = torch.randint(0, 128, (24,), device=device)
     state, _ = prefill_capture(tiny_model, ids[:20])
     generated = generate_greedy(tiny_model, state, ids[20:], max_new_tokens=5)
     sequence = ids.tolist()
     with torch.no_grad():
         for _ in range(5):
-            sequence.append(int(tiny_model(input_ids=torch.tensor([sequence])).logits[0, -1].argmax()))
+            sequence.append(int(tiny_model(input_ids=torch.tensor([sequence], device=device)).logits[0, -1].argmax()))
     assert generated == sequence[24:]
 
 

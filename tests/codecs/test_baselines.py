@@ -10,9 +10,9 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize(("name", "max_err"), [("raw", 1e-3), ("raw-bf16", 5e-3), ("int8", 1e-2), ("int4", 0.15)])
-def test_round_trip_error_is_bounded(kv_state, name, max_err):
+def test_round_trip_error_is_bounded(kv_state, name, max_err, device):
     codec = make_codec(name)
-    out = codec.decode(codec.encode(kv_state))
+    out = codec.decode(codec.encode(kv_state.to(device)), device=device).to("cpu")
     assert out.keys.shape == kv_state.keys.shape and out.keys.dtype == torch.float32
     assert rel_err(out.keys, kv_state.keys) < max_err
     assert rel_err(out.values, kv_state.values) < max_err

@@ -37,11 +37,11 @@ def rel(a, b):
     return float((a - b).norm() / b.norm())
 
 
-def test_identity_decoder_reconstructs_the_producer_kv_at_high_budget():
+def test_identity_decoder_reconstructs_the_producer_kv_at_high_budget(device):
     space = fitted_space(budget=0.5)
     codec = ScdCodec(space, PairDecoder.identity(space, "c"))
     state = correlated_state(30, start=0, seed=7)
-    out = codec.decode(codec.encode(state))
+    out = codec.decode(codec.encode(state.to(device)), device=device).to("cpu")
     assert out.keys.shape == state.keys.shape and out.start == 0
     assert torch.equal(out.keys[:, :, :2], state.keys[:, :, :2].half().float())  # sinks sent raw
     assert rel(out.keys, state.keys) < 0.05 and rel(out.values, state.values) < 0.05
@@ -57,6 +57,18 @@ def test_error_falls_with_budget_and_payload_grows():
         errors.append(rel(out.values, state.values))
         sizes.append(len(payload))
     assert errors[0] > errors[1] > errors[2] and sizes[0] < sizes[1] < sizes[2]
+
+
+def test_device_decode_equals_cpu_decode(device):
+    space = fitted_space(budget=0.3)
+    codec = ScdCodec(space, PairDecoder.identity(space, "c", mean_shift=torch.randn(LAYOUT.groups, LAYOUT.width)))
+    payload = codec.encode(correlated_state(50, start=3, seed=5))
+    # encoding on the device gives the same payload layout (codes may differ at quantiser boundaries)
+    assert len(codec.encode(correlated_state(50, start=3, seed=5).to(device))) == len(payload)
+    on_device, on_cpu = codec.decode(payload, device=device), codec.decode(payload)
+    assert on_device.keys.device.type == torch.device(device).type
+    torch.testing.assert_close(on_device.keys.cpu(), on_cpu.keys, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(on_device.values.cpu(), on_cpu.values, atol=1e-4, rtol=1e-4)
 
 
 def test_decoder_maps_are_applied():
