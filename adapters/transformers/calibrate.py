@@ -21,6 +21,7 @@ from tqdm import tqdm
 from transformers import DynamicCache
 
 from scd_store.adapters.transformers.capture import prefill_capture
+from scd_store.adapters.transformers.compat import cache_kwarg
 from scd_store.adapters.transformers.loading import LoadedModel
 from scd_store.bench.windows import eval_windows
 from scd_store.codecs.kv_state import KVState
@@ -169,7 +170,7 @@ def distil_decoder(producer: LoadedModel, consumer: LoadedModel, space: CodeSpac
         y = xhat + torch.einsum("btgc,gcd->btgd", xhat, weight) + bias
         cache = _build_cache(consumer.model, y, data.sink_keys[idx], data.sink_values[idx], space.layout,
                              config.sink_tokens)
-        logits = consumer.model(input_ids=data.feed[idx], cache=cache, use_cache=True).logits
+        logits = consumer.model(input_ids=data.feed[idx], **{cache_kwarg(consumer.model): cache}, use_cache=True).logits
         teacher = F.log_softmax(data.teacher[idx].float(), -1)
         loss = F.kl_div(F.log_softmax(logits, -1), teacher, log_target=True, reduction="none").sum(-1).mean()
         optimizer.zero_grad(set_to_none=True)

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 import torch
 from transformers import DynamicCache
 
+from scd_store.adapters.transformers.compat import cache_kwarg
 from scd_store.codecs.kv_state import KVState
 
 
@@ -43,7 +44,7 @@ def prefill_capture(model: torch.nn.Module, input_ids: torch.Tensor, hidden_laye
     cache = DynamicCache(config=model.config)
     device = next(model.parameters()).device
     try:
-        out = model(input_ids=input_ids.to(device)[None], cache=cache, use_cache=True)
+        out = model(input_ids=input_ids.to(device)[None], **{cache_kwarg(model): cache}, use_cache=True)
     finally:
         for handle in handles:
             handle.remove()

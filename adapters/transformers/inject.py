@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from scd_store.adapters.transformers.compat import cache_kwarg
 from scd_store.codecs.kv_state import KVState
 
 
@@ -37,7 +38,7 @@ def continue_with_prefix(model: torch.nn.Module, state: KVState | None, input_id
         raise ValueError(f"input_ids must be a non-empty 1-D tensor of token ids, got shape {tuple(input_ids.shape)}")
     cache = build_cache(model, state)
     device = next(model.parameters()).device
-    out = model(input_ids=input_ids.to(device)[None], cache=cache, use_cache=True)
+    out = model(input_ids=input_ids.to(device)[None], **{cache_kwarg(model): cache}, use_cache=True)
     return out.logits[0]
 
 
@@ -49,12 +50,13 @@ def generate_greedy(model: torch.nn.Module, state: KVState | None, input_ids: to
         return []
     cache = build_cache(model, state)
     device = next(model.parameters()).device
-    logits = model(input_ids=input_ids.to(device)[None], cache=cache, use_cache=True).logits[0, -1]
+    kwargs = {cache_kwarg(model): cache, "use_cache": True}
+    logits = model(input_ids=input_ids.to(device)[None], **kwargs).logits[0, -1]
     generated: list[int] = []
     for _ in range(max_new_tokens):
         token = int(logits.argmax())
         generated.append(token)
         if eos_token_id is not None and token == eos_token_id:
             break
-        logits = model(input_ids=torch.tensor([[token]], device=device), cache=cache, use_cache=True).logits[0, -1]
+        logits = model(input_ids=torch.tensor([[token]], device=device), **kwargs).logits[0, -1]
     return generated

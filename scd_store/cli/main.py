@@ -65,6 +65,20 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_decode(args: argparse.Namespace) -> int:
+    import json
+
+    from scd_store.bench.decode import DecodeBenchConfig, run_decode_bench
+
+    config = DecodeBenchConfig(prefix_tokens=tuple(args.prefix_tokens), budget=args.budget, repeats=args.repeats,
+                               device=args.device, dtype=args.dtype)
+    report = json.dumps(run_decode_bench(config), indent=2)
+    print(report)
+    if args.json:
+        args.json.write_text(report + "\n")
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from scd_store.bench.quality import QualityConfig, run_quality
     from scd_store.cli.tables import print_quality
@@ -111,6 +125,15 @@ def build_parser() -> argparse.ArgumentParser:
     quality.add_argument("--bundle", type=Path, help="an SCD calibration bundle: adds the scd method")
     quality.set_defaults(func=_bench_quality)
     _add_store_commands(sub, bench)
+
+    decode = bench.add_parser("decode", help="SCD decode time against the consumer's own prefill")
+    decode.add_argument("--prefix-tokens", type=int, nargs="+", default=[448, 2048])
+    decode.add_argument("--budget", type=float, default=0.25)
+    decode.add_argument("--repeats", type=int, default=5)
+    decode.add_argument("--device", default="cpu")
+    decode.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    decode.add_argument("--json", type=Path)
+    decode.set_defaults(func=_bench_decode)
 
     cal = sub.add_parser("calibrate", help="fit a code space and distil consumer decoders into a bundle")
     cal.add_argument("--producer", default="smollm2-135m-instruct")

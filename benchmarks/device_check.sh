@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# One prepared device run (GPU machine): install the package without deps into /tmp/site, run the
+# device-parametrised unit tests on CUDA, then the decode-vs-prefill bench on CUDA (fp32 and bf16).
+# Usage there: bash benchmarks/device_check.sh   (writes logs and JSON under $OUT)
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/site . > "$OUT/install.log" 2>&1 \
+  || { tail -20 "$OUT/install.log"; exit 1; }
+export PYTHONPATH=/tmp/site
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
+timeout 240 python3 -m pytest -q -p no:cacheprovider tests/codecs tests/adapters tests/store/test_gpu_tier.py \
+  -k "cuda or gpu" 2>&1 | tee "$OUT/pytest.log" | tail -15
+for dtype in float32 bfloat16; do
+  timeout 120 python3 -m scd_store.cli.main bench decode --device cuda --dtype $dtype --prefix-tokens 448 2048 8192 \
+    --repeats 20 --json "$OUT/decode_cuda_$dtype.json" | tail -40
+done
