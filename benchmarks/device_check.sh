@@ -9,6 +9,8 @@ export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/site . > "$OUT/install.log" 2>&1 \
   || { tail -20 "$OUT/install.log"; exit 1; }
 export PYTHONPATH=/tmp/site
+# run away from the source tree, whose scd_store/ lacks the mapped codecs/ and adapters/ subpackages
+rm -rf /tmp/tw && mkdir -p /tmp/tw && cp -r tests /tmp/tw/ && cd /tmp/tw
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/codecs tests/adapters tests/store/test_gpu_tier.py \
