@@ -5,7 +5,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}
 export PYTHONUNBUFFERED=1 SCD_STORE_HOME=/tmp/scdhome SCD_STORE_PYTHON_STDLIB=/tmp/stdlib311
 mkdir -p "$OUT" $SCD_STORE_HOME/corpora /tmp/stdlib311 /tmp/gguf
-cat .xfer/gguf.part* > /tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
+cat /tmp/gguf.partaa .xfer/gguf.partab > /tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
 tar xJf .xfer/shakespeare.tar.xz -C $SCD_STORE_HOME/corpora && tar xJf .xfer/stdlib311.tar.xz -C /tmp/stdlib311
 python3 -m pip install -q --no-deps --no-index --target /tmp/site .xfer/whl/*.whl
 python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/site . || exit 1

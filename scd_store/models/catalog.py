@@ -32,8 +32,11 @@ class ConsumerSpec:
 CONSUMERS: dict[str, ConsumerSpec] = {
     spec.name: spec
     for spec in (
-        ConsumerSpec("smollm2-135m-shakespeare", FinetuneRecipe(corpus="shakespeare", seed=1)),
-        ConsumerSpec("smollm2-135m-python", FinetuneRecipe(corpus="python", seed=2)),
+        # trained on CUDA (about 140 s on an H200; hours on 2 CPU cores) by benchmarks/train_consumers_cuda.py
+        ConsumerSpec("smollm2-135m-shakespeare",
+                     FinetuneRecipe(corpus="shakespeare", seed=1, lr=1e-3, batch_size=16, steps=600)),
+        # trained on 2 CPU cores (about 25 minutes) by `scd-store models train`
+        ConsumerSpec("smollm2-135m-python", FinetuneRecipe(corpus="python", seed=2, lr=2e-3, batch_size=4, steps=160)),
     )
 }
 

@@ -23,10 +23,10 @@ class FinetuneRecipe:
     seed: int = 0
     rank: int = 16
     alpha: float = 32.0
-    lr: float = 4e-3
+    lr: float = 2e-3
     seq_len: int = 256
     batch_size: int = 4
-    steps: int = 80
+    steps: int = 160
     warmup_steps: int = 5
 
     def __post_init__(self) -> None:

@@ -11,6 +11,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from scd_store.store.tiers.lru import ByteLRU
+
 EvictListener = Callable[[str, str, int], None]  # (tier name, key, bytes)
 
 
@@ -134,3 +136,22 @@ class LocalTier(Tier):
 
     async def contains_many(self, keys: Sequence[str]) -> list[bool]:
         return self.contains_many_now(keys)
+
+
+class LruTier(LocalTier):
+    """A :class:`LocalTier` over a byte-bounded LRU (``self._lru``, set by the subclass): membership,
+    deletion and usage are the LRU's."""
+
+    _lru: ByteLRU
+
+    def contains_now(self, key: str) -> bool:
+        return key in self._lru
+
+    def contains_many_now(self, keys: Sequence[str]) -> list[bool]:
+        return self._lru.contains_many(keys)
+
+    def delete_now(self, key: str) -> bool:
+        return self._lru.pop(key) is not None
+
+    def usage(self) -> TierUsage:
+        return TierUsage(len(self._lru), self._lru.bytes_used, self._lru.max_bytes)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from scd_store.store.tiers.base import LocalTier, TierUsage
+from scd_store.store.tiers.base import LruTier
 from scd_store.store.tiers.lru import ByteLRU
 
 
@@ -16,7 +16,7 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
-class CpuTier(LocalTier):
+class CpuTier(LruTier):
     """Values kept as immutable ``bytes`` (zero-copy get), or as pinned uint8 tensors when ``pinned``
     and CUDA is present (faster host-to-device copies; get copies out)."""
 
@@ -56,15 +56,3 @@ class CpuTier(LocalTier):
     def put_now(self, key: str, value: bytes) -> None:
         if not self._lru.put(key, self._to_store(value)):
             self.rejected_too_large += 1
-
-    def contains_now(self, key: str) -> bool:
-        return key in self._lru
-
-    def contains_many_now(self, keys: Sequence[str]) -> list[bool]:
-        return self._lru.contains_many(keys)
-
-    def delete_now(self, key: str) -> bool:
-        return self._lru.pop(key) is not None
-
-    def usage(self) -> TierUsage:
-        return TierUsage(len(self._lru), self._lru.bytes_used, self._lru.max_bytes)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from scd_store.store.tiers.base import LocalTier, TierError, TierUsage
+from scd_store.store.tiers.base import LruTier, TierError
 from scd_store.store.tiers.lru import ByteLRU
 
 
-class GpuTier(LocalTier):
+class GpuTier(LruTier):
     """Keeps blobs in device memory so a consumer on the same device decodes without a host copy.
 
     ``get`` returns bytes (a device-to-host copy); :meth:`get_tensor` returns the device tensor itself.
@@ -40,15 +40,3 @@ class GpuTier(LocalTier):
         torch = self._torch
         host = torch.frombuffer(bytearray(value), dtype=torch.uint8)
         self._lru.put(key, host.to(self.device, non_blocking=False))
-
-    def contains_now(self, key: str) -> bool:
-        return key in self._lru
-
-    def contains_many_now(self, keys: Sequence[str]) -> list[bool]:
-        return self._lru.contains_many(keys)
-
-    def delete_now(self, key: str) -> bool:
-        return self._lru.pop(key) is not None
-
-    def usage(self) -> TierUsage:
-        return TierUsage(len(self._lru), self._lru.bytes_used, self._lru.max_bytes)
