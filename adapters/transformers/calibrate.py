@@ -119,8 +119,8 @@ def _collect(producer: LoadedModel, consumer: LoadedModel, space: CodeSpace, cor
     basis_t = space.basis.transpose(1, 2)
     for window in tqdm(windows, desc=f"distil {consumer.name}: teacher", unit="window", disable=not progress):
         produced, _ = prefill_capture(producer.model, window[:p])
-        codes = space.unpack(space.encode(produced))
-        xhat = torch.bmm(codes.zhat.transpose(0, 1), basis_t).transpose(0, 1) + space.mean  # [T - s, G, C]
+        zhat = space.reconstruct(space.unpack(space.encode(produced)).codes)
+        xhat = torch.bmm(zhat.transpose(0, 1), basis_t).transpose(0, 1) + space.mean  # [T - s, G, C]
         own, logits = prefill_capture(consumer.model, window)
         own_prefix = KVState(own.keys[:, :, s:p], own.values[:, :, s:p], start=s)
         shift += (to_features(own_prefix, space.layout) - xhat).double().mean(0)

@@ -32,7 +32,8 @@ class ScdCodec(Codec):
         codes = self.space.unpack(payload, device=device)
         sinks = codes.sinks.num_tokens if codes.sinks is not None else 0
         matrix, offset = self.decoder.folded(self.space, device, torch.float32)
-        features = torch.baddbmm(offset.unsqueeze(1), codes.zhat.transpose(0, 1), matrix).transpose(0, 1)
+        q = codes.codes.view(-1, self.space.layout.groups, self.space.layout.width).transpose(0, 1).float()
+        features = torch.baddbmm(offset.unsqueeze(1), q, matrix).transpose(0, 1)
         coded = from_features(features, self.space.layout, start=codes.start + sinks)
         if codes.sinks is None:
             return coded.to(dtype=dtype)

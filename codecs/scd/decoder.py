@@ -6,7 +6,8 @@ Trainable form (what calibration distils, per group ``g``)::
     y     = x_hat + x_hat @ W + b           # the consumer's feature (W = 0, b = mean shift at init)
 
 Folded for decoding: ``y = z_hat @ M + c`` with ``M = basis^T (I + W)`` and
-``c = mean (I + W) + b``: one small matmul per layer and tensor, batched over tokens and groups.
+``c = mean (I + W) + b``, and the quantiser's steps and offsets folded in too, so the integer codes
+go through one small matmul per layer and tensor, batched over tokens and groups.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from scd_store.codecs.fingerprint import tensors_fingerprint
+from scd_store.codecs.scd.quantizer import STEP
 from scd_store.codecs.scd.space import CodeSpace
 
 
@@ -48,7 +50,9 @@ class PairDecoder:
 
     def folded(self, space: CodeSpace, device: torch.device | str, dtype: torch.dtype
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(M, c)`` for decoding on ``device``; cached per device and dtype."""
+        """``(M, c)`` with ``y = q M + c`` straight from the integer codes ``q`` (as floats): the basis,
+        the map and each component's quantiser step and offset folded together. Zero-bit
+        components contribute nothing. Cached per device and dtype."""
         if space.fingerprint != self.space_fingerprint:
             raise ValueError(f"decoder for {self.consumer} was calibrated for space {self.space_fingerprint}, "
                              f"not {space.fingerprint}")
@@ -56,7 +60,12 @@ class PairDecoder:
         if key not in self._folded:
             eye = torch.eye(self.weight.shape[-1], dtype=torch.float64)
             residual = eye + self.weight.double()
-            matrix = space.basis.double().transpose(1, 2) @ residual
+            matrix = space.basis.double().transpose(1, 2) @ residual  # z_hat -> y
             offset = torch.bmm(space.mean.double().unsqueeze(1), residual).squeeze(1) + self.bias.double()
+            # z_hat_j = (q_j - levels_j / 2 + 0.5) * step_j, and 0 where a component has no bits
+            step = torch.tensor(STEP, dtype=torch.float64)[space.bits] * space.sigma.double()
+            centre = torch.where(space.bits > 0, (1 << space.bits).double() / 2 - 0.5, torch.zeros(()).double())
+            matrix = matrix * step.unsqueeze(-1)
+            offset = offset - torch.bmm(centre.unsqueeze(1), matrix).squeeze(1)
             self._folded[key] = (matrix.to(device=device, dtype=dtype), offset.to(device=device, dtype=dtype))
         return self._folded[key]

@@ -59,49 +59,83 @@ def dequantize(codes: torch.Tensor, sigma: torch.Tensor, bits: torch.Tensor, dty
     return torch.where(bits > 0, z, torch.zeros_like(z))
 
 
-_SHIFTS = torch.arange(8, dtype=torch.uint8)
+# A w-bit code is stored as power-of-two fields (7 = 4 + 2 + 1 bits, high bits first), each field
+# array packed 8 / p values per byte, so unpacking is a few shifts and masks per byte.
+_FIELDS = {w: tuple(p for p in (8, 4, 2, 1) if w & p) for w in range(1, MAX_BITS + 1)}
 
 
-def pack_codes(codes: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
-    """Pack ``codes`` ``[T, n]`` using ``bits[j]`` bits for column ``j``; returns a flat uint8 tensor.
-
-    Columns are grouped by width (8, 7, ..., 1); within a group, bit planes are written
-    little-endian per value, row-major. :func:`unpack_codes` inverts it given ``T`` and ``bits``.
-    """
-    shifts = _SHIFTS.to(codes.device)
-    chunks = []
+def _field_layout(bits: torch.Tensor) -> list[tuple[torch.Tensor, int, int]]:
+    """``(columns, width, part)`` triples in storage order: widths 8..1, parts high to low."""
+    layout = []
     for width in range(MAX_BITS, 0, -1):
         cols = (bits == width).nonzero().flatten()
-        if cols.numel() == 0:
-            continue
-        planes = (codes[:, cols].unsqueeze(-1) >> shifts[:width]) & 1  # [T, n_w, width]
-        chunks.append(planes.flatten())
-    if not chunks:
-        return torch.empty(0, dtype=torch.uint8, device=codes.device)
-    flat = torch.cat(chunks)
-    flat = torch.cat([flat, flat.new_zeros((-flat.numel()) % 8)])
-    return (flat.view(-1, 8) << shifts).sum(dim=1, dtype=torch.uint8)
+        if cols.numel():
+            layout.extend((cols, width, part) for part in _FIELDS[width])
+    return layout
+
+
+def _part_shift(width: int, part: int) -> int:
+    """Bit offset of ``part`` inside a ``width``-bit code (parts are laid out high to low)."""
+    parts = _FIELDS[width]
+    return sum(parts[parts.index(part) + 1:])
 
 
 def packed_size(tokens: int, bits: torch.Tensor) -> int:
     """Bytes :func:`pack_codes` produces for ``tokens`` rows."""
-    return (tokens * int(bits.sum()) + 7) // 8
+    total = 0
+    for cols, _, part in _field_layout(bits.cpu()):
+        per_byte = 8 // part
+        total += -(-tokens * cols.numel() // per_byte)
+    return total
+
+
+def pack_codes(codes: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """Pack ``codes`` ``[T, n]`` (uint8) using ``bits[j]`` bits for column ``j``; a flat uint8 tensor."""
+    chunks = []
+    for cols, width, part in _field_layout(bits.cpu()):
+        field = (codes[:, cols.to(codes.device)] >> _part_shift(width, part)) & ((1 << part) - 1)
+        chunks.append(_pack_field(field.flatten(), part))
+    if not chunks:
+        return torch.empty(0, dtype=torch.uint8, device=codes.device)
+    return torch.cat(chunks)
 
 
 def unpack_codes(packed: torch.Tensor, tokens: int, bits: torch.Tensor) -> torch.Tensor:
     """Invert :func:`pack_codes`: codes ``[tokens, n]`` (uint8; zero for 0-bit columns)."""
     if packed.numel() != packed_size(tokens, bits):
         raise ValueError(f"packed codes hold {packed.numel()} bytes, expected {packed_size(tokens, bits)}")
-    shifts = _SHIFTS.to(packed.device)
-    flat = ((packed.unsqueeze(-1) >> shifts) & 1).flatten()
     codes = torch.zeros(tokens, bits.numel(), dtype=torch.uint8, device=packed.device)
     offset = 0
-    for width in range(MAX_BITS, 0, -1):
-        cols = (bits == width).nonzero().flatten()
-        if cols.numel() == 0:
-            continue
-        count = tokens * cols.numel() * width
-        planes = flat[offset:offset + count].view(tokens, cols.numel(), width)
-        codes[:, cols] = (planes << shifts[:width]).sum(dim=-1, dtype=torch.uint8)
-        offset += count
+    current: tuple[int, torch.Tensor] | None = None
+    value = None
+    for cols, width, part in _field_layout(bits.cpu()):
+        count = tokens * cols.numel()
+        nbytes = -(-count // (8 // part))
+        field = _unpack_field(packed[offset:offset + nbytes], part, count).view(tokens, -1)
+        offset += nbytes
+        shifted = field << _part_shift(width, part) if _part_shift(width, part) else field
+        if current is None or current[0] != width:
+            if current is not None:
+                codes[:, current[1].to(packed.device)] = value
+            current, value = (width, cols), shifted
+        else:
+            value = value | shifted
+    if current is not None:
+        codes[:, current[1].to(packed.device)] = value
     return codes
+
+
+def _pack_field(values: torch.Tensor, part: int) -> torch.Tensor:
+    if part == 8:
+        return values.to(torch.uint8)
+    per_byte = 8 // part
+    values = torch.cat([values, values.new_zeros((-values.numel()) % per_byte)]).view(-1, per_byte)
+    shifts = torch.arange(0, 8, part, dtype=torch.uint8, device=values.device)
+    return (values << shifts).sum(dim=1, dtype=torch.uint8)
+
+
+def _unpack_field(packed: torch.Tensor, part: int, count: int) -> torch.Tensor:
+    if part == 8:
+        return packed[:count]
+    shifts = torch.arange(0, 8, part, dtype=torch.uint8, device=packed.device)
+    return ((packed.unsqueeze(1) >> shifts) & ((1 << part) - 1)).flatten()[:count]

@@ -17,11 +17,11 @@ CODEC_ID = "scd"
 
 @dataclass(slots=True)
 class SpaceCodes:
-    """What a payload carries, unpacked: codes' reconstructions and the raw sink tokens."""
+    """What a payload carries, unpacked: the integer codes and the raw sink tokens."""
 
     start: int
     num_tokens: int
-    zhat: torch.Tensor  # [T - sinks, groups, C], reconstructed basis coordinates
+    codes: torch.Tensor  # [T - sinks, groups * C] uint8 quantiser indices
     sinks: KVState | None  # the first tokens' raw KV (absolute positions < sink_tokens)
 
 
@@ -104,16 +104,14 @@ class CodeSpace:
             coded = tokens - sinks
             if start < 0 or coded < 0 or sinks != max(0, min(self.sink_tokens - start, tokens)):
                 raise PayloadError("payload token counts are inconsistent")
-            flat_bits = self.bits.flatten().to(device)
+            flat_bits = self.bits.flatten()
             if coded:
                 packed = t["codes"].to(device)
                 if packed.numel() != packed_size(coded, flat_bits):
                     raise PayloadError("payload code section has the wrong size")
                 codes = unpack_codes(packed, coded, flat_bits)
-                zhat = dequantize(codes, self.sigma.flatten().to(device), flat_bits)
-                zhat = zhat.view(coded, self.layout.groups, self.layout.width)
             else:
-                zhat = torch.zeros(0, self.layout.groups, self.layout.width, device=device)
+                codes = torch.zeros(0, flat_bits.numel(), dtype=torch.uint8, device=device)
             sink_state = None
             if sinks:
                 sink_state = KVState(t["sink_keys"].to(device), t["sink_values"].to(device), start=start)
@@ -124,4 +122,10 @@ class CodeSpace:
             if isinstance(exc, PayloadError):
                 raise
             raise PayloadError(f"scd payload is inconsistent: {exc}") from None
-        return SpaceCodes(start, tokens, zhat, sink_state)
+        return SpaceCodes(start, tokens, codes, sink_state)
+
+    def reconstruct(self, codes: torch.Tensor) -> torch.Tensor:
+        """Basis coordinates ``[T, groups, C]`` (quantiser mid-points) of integer ``codes``."""
+        flat_bits = self.bits.flatten().to(codes.device)
+        zhat = dequantize(codes, self.sigma.flatten().to(codes.device), flat_bits)
+        return zhat.view(codes.shape[0], self.layout.groups, self.layout.width)

@@ -118,3 +118,21 @@ def test_bundle_round_trip_and_checks(tmp_path):
     (tmp_path / "space.json").write_text(json.dumps(manifest))
     with pytest.raises(BundleError, match="newer"):
         load_space(tmp_path)
+
+
+def test_folded_decode_equals_the_unfolded_maths():
+    from scd_store.codecs.scd.layout import from_features
+
+    space = fitted_space(budget=0.2, sinks=0)
+    weight = torch.randn(LAYOUT.groups, LAYOUT.width, LAYOUT.width) * 0.05
+    bias = torch.randn(LAYOUT.groups, LAYOUT.width)
+    decoder = PairDecoder("c", space.fingerprint, weight, bias)
+    state = correlated_state(20, start=5, seed=2)
+    payload = ScdCodec(space).encode(state)
+    zhat = space.reconstruct(space.unpack(payload).codes)  # [T, G, C]
+    x = torch.einsum("tgc,gdc->tgd", zhat, space.basis) + space.mean
+    y = x + torch.einsum("tgc,gcd->tgd", x, weight) + bias
+    expected = from_features(y, LAYOUT, start=5)
+    out = ScdCodec(space, decoder).decode(payload)
+    torch.testing.assert_close(out.keys, expected.keys, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.values, expected.values, atol=1e-4, rtol=1e-4)
