@@ -179,7 +179,7 @@ def distil_decoder(producer: LoadedModel, consumer: LoadedModel, space: CodeSpac
         for group, base in zip(optimizer.param_groups, (config.lr_weight, config.lr_bias), strict=True):
             group["lr"] = base * 0.5 * (1 + math.cos(math.pi * step / max(1, config.distill_steps)))
         optimizer.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if step % 10 == 0:
             bar.set_postfix(kl=f"{sum(losses[-20:]) / len(losses[-20:]):.4f}")
     decoder = PairDecoder(consumer.name, space.fingerprint, weight.detach().clone(), bias.detach().clone(),
