@@ -27,7 +27,6 @@ from scd_store.bench.windows import eval_windows
 from scd_store.codecs.kv_state import KVState
 from scd_store.codecs.scd.decoder import PairDecoder
 from scd_store.codecs.scd.layout import KVLayout, to_features
-from scd_store.codecs.scd.quantizer import allocate_bits
 from scd_store.codecs.scd.rope import apply_rope, rope_cos_sin
 from scd_store.codecs.scd.space import CodeSpace
 
@@ -87,14 +86,8 @@ def fit_space(producer: LoadedModel, corpora: list[str], config: CalibrationConf
         count += x.shape[1]
     mean = total / count
     cov = outer / count - mean.unsqueeze(2) * mean.unsqueeze(1)
-    eigvals, eigvecs = torch.linalg.eigh(cov)
-    eigvals, eigvecs = eigvals.flip(-1).clamp_min(0), eigvecs.flip(-1)
-    weights = torch.ones(g, c, dtype=torch.float64)
-    weights[0::2] = config.key_weight
-    total_bits = round(config.budget * 16 * g * c)
-    bits = allocate_bits(eigvals, weights, total_bits)
-    return CodeSpace(space_id, layout, mean.float(), eigvecs.float(), eigvals.sqrt().float(), bits,
-                     config.sink_tokens, producer.fingerprint)
+    return CodeSpace.from_statistics(space_id, layout, mean, cov, config.budget, config.key_weight,
+                                     config.sink_tokens, producer.fingerprint)
 
 
 @dataclass(slots=True)

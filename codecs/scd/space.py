@@ -9,7 +9,7 @@ import torch
 from scd_store.codecs.fingerprint import tensors_fingerprint
 from scd_store.codecs.kv_state import KVState
 from scd_store.codecs.scd.layout import KVLayout, to_features
-from scd_store.codecs.scd.quantizer import dequantize, pack_codes, packed_size, quantize, unpack_codes
+from scd_store.codecs.scd.quantizer import allocate_bits, dequantize, pack_codes, packed_size, quantize, unpack_codes
 from scd_store.codecs.tensor_pack import PayloadError, pack, unpack
 
 CODEC_ID = "scd"
@@ -55,6 +55,20 @@ class CodeSpace:
             raise ValueError("sink_tokens must be >= 0")
         self.bits = self.bits.to(torch.int64)
         self._fingerprint = tensors_fingerprint(self.tensors(), extra=f"{self.layout}|{self.sink_tokens}")
+
+    @classmethod
+    def from_statistics(cls, space_id: str, layout: KVLayout, mean: torch.Tensor, cov: torch.Tensor, budget: float,
+                        key_weight: float = 1.0, sink_tokens: int = 4, producer_fingerprint: str = "") -> CodeSpace:
+        """A space from per-group feature means ``[G, C]`` and covariances ``[G, C, C]``: the PCA basis
+        (components by decreasing variance) and ``budget`` (coded payload vs fp16) spread over the
+        components by :func:`allocate_bits`, keys' distortion weighted by ``key_weight``."""
+        eigvals, eigvecs = torch.linalg.eigh(cov.double())
+        eigvals, eigvecs = eigvals.flip(-1).clamp_min(0), eigvecs.flip(-1)
+        weights = torch.ones_like(eigvals)
+        weights[0::2] = key_weight
+        bits = allocate_bits(eigvals, weights, round(budget * 16 * layout.groups * layout.width))
+        return cls(space_id, layout, mean.float(), eigvecs.float(), eigvals.sqrt().float(), bits, sink_tokens,
+                   producer_fingerprint)
 
     @property
     def fingerprint(self) -> str:

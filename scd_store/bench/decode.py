@@ -20,7 +20,6 @@ from scd_store.adapters.transformers.capture import prefill_capture
 from scd_store.codecs.scd.codec import ScdCodec
 from scd_store.codecs.scd.decoder import PairDecoder
 from scd_store.codecs.scd.layout import to_features
-from scd_store.codecs.scd.quantizer import allocate_bits
 from scd_store.codecs.scd.space import CodeSpace
 
 # SmolLM2-135M's geometry, for random-init timing runs
@@ -72,10 +71,7 @@ def self_fitted_space(model: LlamaForCausalLM, ids: torch.Tensor, budget: float)
     x = to_features(state.to("cpu", torch.float32), layout)[4:].double().transpose(0, 1)
     mean = x.mean(1)
     cov = torch.einsum("gtc,gtd->gcd", x - mean[:, None], x - mean[:, None]) / x.shape[1]
-    eigvals, eigvecs = torch.linalg.eigh(cov)
-    eigvals, eigvecs = eigvals.flip(-1).clamp_min(1e-12), eigvecs.flip(-1)
-    bits = allocate_bits(eigvals, torch.ones_like(eigvals), round(budget * 16 * layout.groups * layout.width))
-    return CodeSpace("bench", layout, mean.float(), eigvecs.float(), eigvals.sqrt().float(), bits)
+    return CodeSpace.from_statistics("bench", layout, mean, cov, budget)
 
 
 @torch.no_grad()

@@ -8,7 +8,6 @@ from scd_store.codecs.scd.bundle import BundleError, load_pair, load_space, save
 from scd_store.codecs.scd.codec import ScdCodec
 from scd_store.codecs.scd.decoder import PairDecoder
 from scd_store.codecs.scd.layout import KVLayout, to_features
-from scd_store.codecs.scd.quantizer import allocate_bits
 from scd_store.codecs.scd.space import CodeSpace
 
 LAYOUT = KVLayout(num_layers=2, kv_heads=2, head_dim=8, rope_theta=1e4)
@@ -27,10 +26,8 @@ def fitted_space(budget: float, sinks: int = 2) -> CodeSpace:
     x = feats.transpose(0, 1).double()
     mean = x.mean(1)
     cov = torch.einsum("gtc,gtd->gcd", x - mean[:, None], x - mean[:, None]) / x.shape[1]
-    eigvals, eigvecs = torch.linalg.eigh(cov)
-    eigvals, eigvecs = eigvals.flip(-1).clamp_min(0), eigvecs.flip(-1)
-    bits = allocate_bits(eigvals, torch.ones_like(eigvals), round(budget * 16 * LAYOUT.groups * LAYOUT.width))
-    return CodeSpace("test", LAYOUT, mean.float(), eigvecs.float(), eigvals.sqrt().float(), bits, sinks, "prod-fp")
+    return CodeSpace.from_statistics("test", LAYOUT, mean, cov, budget, sink_tokens=sinks,
+                                     producer_fingerprint="prod-fp")
 
 
 def rel(a, b):
