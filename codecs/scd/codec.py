@@ -7,13 +7,18 @@ import torch
 from scd_store.codecs.base import Codec
 from scd_store.codecs.kv_state import KVState
 from scd_store.codecs.scd.decoder import PairDecoder
-from scd_store.codecs.scd.layout import from_features
+from scd_store.codecs.scd.layout import write_token_major
+from scd_store.codecs.scd.rope import RopeTable
 from scd_store.codecs.scd.space import CODEC_ID, CodeSpace
-from scd_store.codecs.tensor_pack import PayloadError
 
 
 class ScdCodec(Codec):
-    """Encodes with ``space``; decodes into ``decoder``'s consumer KV (REUSE)."""
+    """Encodes with ``space``; decodes into ``decoder``'s consumer KV (REUSE).
+
+    Decoding is one batched matmul over all layers and tensors (integer codes in, consumer
+    features out, only the components that carry bits), then one pass that moves heads and
+    rotates keys straight into the output cache tensors.
+    """
 
     codec_id = CODEC_ID
 
@@ -22,23 +27,40 @@ class ScdCodec(Codec):
             raise ValueError(f"decoder of {decoder.consumer} belongs to another code space")
         self.space = space
         self.decoder = decoder
+        self._rope = RopeTable(space.layout.head_dim, space.layout.rope_theta)
+        self._matrices: dict[tuple[str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def encode(self, state: KVState) -> bytes:
         return self.space.encode(state)
+
+    def _folded(self, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder's folded matrices cut to the components that carry bits, contiguous."""
+        key = (str(device), dtype)
+        if key not in self._matrices:
+            matrix, offset = self.decoder.folded(self.space, device, dtype)
+            active = self.space.active_components
+            self._matrices[key] = (matrix[:, :active].contiguous(), offset.unsqueeze(1).contiguous())
+        return self._matrices[key]
 
     def decode(self, payload: bytes, *, device="cpu", dtype=torch.float32) -> KVState:
         if self.decoder is None:
             raise ValueError("this SCD codec has no consumer decoder: it can encode only")
         codes = self.space.unpack(payload, device=device)
+        layout = self.space.layout
         sinks = codes.sinks.num_tokens if codes.sinks is not None else 0
-        matrix, offset = self.decoder.folded(self.space, device, torch.float32)
-        q = codes.codes.view(-1, self.space.layout.groups, self.space.layout.width).transpose(0, 1).float()
-        features = torch.baddbmm(offset.unsqueeze(1), q, matrix).transpose(0, 1)
-        coded = from_features(features, self.space.layout, start=codes.start + sinks)
-        if codes.sinks is None:
-            return coded.to(dtype=dtype)
-        keys = torch.cat([codes.sinks.keys.float(), coded.keys], dim=2)
-        values = torch.cat([codes.sinks.values.float(), coded.values], dim=2)
-        if keys.shape[2] != codes.num_tokens:
-            raise PayloadError("decoded token count does not match the payload")
-        return KVState(keys.to(dtype), values.to(dtype), start=codes.start)
+        shape = (layout.num_layers, layout.kv_heads, codes.num_tokens, layout.head_dim)
+        keys = torch.empty(shape, device=device, dtype=dtype)
+        values = torch.empty(shape, device=device, dtype=dtype)
+        if sinks:
+            keys[:, :, :sinks] = codes.sinks.keys
+            values[:, :, :sinks] = codes.sinks.values
+        coded = codes.num_tokens - sinks
+        if coded:
+            matrix, offset = self._folded(device, torch.float32)
+            active = matrix.shape[1]
+            by_component = codes.codes.t().reshape(layout.groups, layout.width, coded)
+            q = by_component[:, :active].to(torch.float32)  # [G, active, T]
+            features = torch.baddbmm(offset, q.transpose(1, 2), matrix)  # [G, T, C]
+            write_token_major(features, layout, codes.start + sinks, self._rope, keys[:, :, sinks:],
+                              values[:, :, sinks:])
+        return KVState(keys, values, start=codes.start)

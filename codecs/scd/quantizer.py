@@ -90,39 +90,49 @@ def packed_size(tokens: int, bits: torch.Tensor) -> int:
 
 
 def pack_codes(codes: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
-    """Pack ``codes`` ``[T, n]`` (uint8) using ``bits[j]`` bits for column ``j``; a flat uint8 tensor."""
+    """Pack ``codes`` ``[T, n]`` (uint8) using ``bits[j]`` bits for column ``j``; a flat uint8 tensor.
+
+    Fields are stored component-major (all tokens of one column together), so unpacking writes
+    whole contiguous rows of the component-major code matrix.
+    """
     chunks = []
     for cols, width, part in _field_layout(bits.cpu()):
-        field = (codes[:, cols.to(codes.device)] >> _part_shift(width, part)) & ((1 << part) - 1)
+        field = (codes[:, cols.to(codes.device)].t() >> _part_shift(width, part)) & ((1 << part) - 1)
         chunks.append(_pack_field(field.flatten(), part))
     if not chunks:
         return torch.empty(0, dtype=torch.uint8, device=codes.device)
     return torch.cat(chunks)
 
 
-def unpack_codes(packed: torch.Tensor, tokens: int, bits: torch.Tensor) -> torch.Tensor:
-    """Invert :func:`pack_codes`: codes ``[tokens, n]`` (uint8; zero for 0-bit columns)."""
+def unpack_codes_by_component(packed: torch.Tensor, tokens: int, bits: torch.Tensor) -> torch.Tensor:
+    """Invert :func:`pack_codes` into component-major codes ``[n, tokens]`` (uint8; zero rows for
+    0-bit columns): each field lands as whole contiguous rows."""
     if packed.numel() != packed_size(tokens, bits):
         raise ValueError(f"packed codes hold {packed.numel()} bytes, expected {packed_size(tokens, bits)}")
-    codes = torch.zeros(tokens, bits.numel(), dtype=torch.uint8, device=packed.device)
+    codes = torch.zeros(bits.numel(), tokens, dtype=torch.uint8, device=packed.device)
     offset = 0
     current: tuple[int, torch.Tensor] | None = None
     value = None
     for cols, width, part in _field_layout(bits.cpu()):
         count = tokens * cols.numel()
         nbytes = -(-count // (8 // part))
-        field = _unpack_field(packed[offset:offset + nbytes], part, count).view(tokens, -1)
+        field = _unpack_field(packed[offset:offset + nbytes], part, count).view(-1, tokens)
         offset += nbytes
         shifted = field << _part_shift(width, part) if _part_shift(width, part) else field
         if current is None or current[0] != width:
             if current is not None:
-                codes[:, current[1].to(packed.device)] = value
+                codes.index_copy_(0, current[1].to(packed.device), value)
             current, value = (width, cols), shifted
         else:
             value = value | shifted
     if current is not None:
-        codes[:, current[1].to(packed.device)] = value
+        codes.index_copy_(0, current[1].to(packed.device), value)
     return codes
+
+
+def unpack_codes(packed: torch.Tensor, tokens: int, bits: torch.Tensor) -> torch.Tensor:
+    """Invert :func:`pack_codes`: codes ``[tokens, n]`` (a transposed view of the component-major codes)."""
+    return unpack_codes_by_component(packed, tokens, bits).t()
 
 
 def _pack_field(values: torch.Tensor, part: int) -> torch.Tensor:

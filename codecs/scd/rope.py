@@ -31,3 +31,38 @@ def apply_rope(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
 def invert_rope(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Undo :func:`apply_rope` (rotation by the negative angle)."""
     return keys * cos - _rotate_half(keys) * sin
+
+
+class RopeTable:
+    """``cos`` / ``sin`` for positions ``0..n`` computed once per device and dtype and sliced per call
+    (decoding the same prefix lengths again and again must not recompute the angles)."""
+
+    def __init__(self, head_dim: int, theta: float):
+        self.head_dim, self.theta = head_dim, theta
+        self._tables: dict[tuple[str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, start: int, length: int, device: torch.device | str, dtype: torch.dtype
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos``, ``sin`` ``[length, head_dim]`` for positions ``start..start + length``."""
+        key = (str(device), dtype)
+        cos, sin = self._tables.get(key, (None, None))
+        end = start + length
+        if cos is None or cos.shape[0] < end:
+            size = max(1024, 1 << (end - 1).bit_length())
+            cos, sin = rope_cos_sin(torch.arange(size, device=device), self.head_dim, self.theta, dtype=dtype)
+            self._tables[key] = (cos, sin)
+        return cos[start:end], sin[start:end]
+
+
+def rotate_into(out: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """:func:`apply_rope` of ``keys`` (any strides) written into ``out`` without temporaries of the
+    rotated halves; ``cos`` / ``sin`` ``[T, head_dim]`` as from :func:`rope_cos_sin`."""
+    half = keys.shape[-1] // 2
+    k1, k2 = keys[..., :half], keys[..., half:]
+    c, s = cos[:, :half], sin[:, :half]
+    o1, o2 = out[..., :half], out[..., half:]
+    torch.mul(k1, c, out=o1)
+    o1.addcmul_(k2, s, value=-1.0)
+    torch.mul(k2, c, out=o2)
+    o2.addcmul_(k1, s)
+    return out

@@ -79,6 +79,12 @@ class CodeSpace:
         return {"mean": self.mean, "basis": self.basis, "sigma": self.sigma, "bits": self.bits}
 
     @property
+    def active_components(self) -> int:
+        """Leading basis components that carry bits in at least one group (the rest decode to the mean)."""
+        carrying = (self.bits > 0).any(dim=0).nonzero()
+        return int(carrying.max()) + 1 if carrying.numel() else 0
+
+    @property
     def bits_per_token(self) -> int:
         return int(self.bits.sum())
 

@@ -18,3 +18,13 @@ def test_matches_the_models_own_rotation(tiny_model, device):
     pre = attn.k_proj(state.hidden[1]).view(12, 2, 16).transpose(0, 1)
     cos, sin = rope_cos_sin(torch.arange(12, device=device), 16, tiny_model.config.rope_parameters["rope_theta"])
     torch.testing.assert_close(apply_rope(pre, cos, sin), state.keys[1], atol=1e-5, rtol=1e-5)
+
+
+def test_table_slices_equal_direct_angles():
+    from scd_store.codecs.scd.rope import RopeTable
+
+    table = RopeTable(16, 1e5)
+    for start, length in ((0, 10), (500, 700), (3000, 5)):
+        cos, sin = table.get(start, length, "cpu", torch.float32)
+        ref_cos, ref_sin = rope_cos_sin(torch.arange(start, start + length), 16, 1e5)
+        assert torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin)

@@ -15,3 +15,19 @@ def test_features_round_trip_at_an_offset():
     torch.testing.assert_close(back.keys, state.keys, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(back.values, state.values)
     assert back.start == 7
+
+
+def test_token_major_writer_matches_from_features(device):
+    from scd_store.codecs.scd.layout import write_token_major
+    from scd_store.codecs.scd.rope import RopeTable
+
+    layout = KVLayout(num_layers=3, kv_heads=2, head_dim=8, rope_theta=1e4)
+    features = torch.randn(5, 6, 16, device=device)
+    expected = from_features(features, layout, start=1030)  # beyond the table's first size: it grows
+    keys = torch.full((3, 2, 7, 8), float("nan"), device=device)
+    values = torch.full_like(keys, float("nan"))
+    write_token_major(features.transpose(0, 1).contiguous(), layout, 1030, RopeTable(8, 1e4), keys[:, :, 2:],
+                      values[:, :, 2:])
+    torch.testing.assert_close(keys[:, :, 2:], expected.keys, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(values[:, :, 2:], expected.values)
+    assert torch.isnan(keys[:, :, :2]).all()  # nothing written outside the slice

@@ -8,6 +8,7 @@ from scd_store.codecs.scd.quantizer import (
     packed_size,
     quantize,
     unpack_codes,
+    unpack_codes_by_component,
 )
 
 
@@ -20,6 +21,8 @@ def test_pack_round_trip_with_mixed_widths():
     fields = sum(bin(int(b)).count("1") for b in bits.unique() if b > 0)
     assert packed.numel() == packed_size(13, bits) <= (13 * int(bits.sum()) + 7) // 8 + fields
     assert torch.equal(unpack_codes(packed, 13, bits), codes)
+    by_component = unpack_codes_by_component(packed, 13, bits)
+    assert by_component.is_contiguous() and torch.equal(by_component, codes.t())
 
 
 def test_gaussian_distortion_matches_the_table():
