@@ -14,13 +14,15 @@ class KVState:
     ``keys`` and ``values`` are ``[num_layers, num_kv_heads, num_tokens, head_dim]``; keys are
     post-RoPE at absolute positions ``start .. start + num_tokens - 1``. ``hidden`` optionally
     maps a layer index to that layer's normalised pre-attention input ``H_in`` of shape
-    ``[num_tokens, hidden_size]``.
+    ``[num_tokens, hidden_size]``; ``residual`` likewise maps a layer index to the residual stream
+    entering that layer (the decoder layer's input, before its norm).
     """
 
     keys: torch.Tensor
     values: torch.Tensor
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)
     start: int = 0
+    residual: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.keys.dim() != 4:
@@ -33,12 +35,13 @@ class KVState:
             raise ValueError(f"start position must be >= 0, got {self.start}")
         if not self.keys.is_floating_point():
             raise ValueError(f"keys must be floating point, got {self.keys.dtype}")
-        for layer, h in self.hidden.items():
-            if not 0 <= layer < self.num_layers:
-                raise ValueError(f"hidden state for layer {layer} outside 0..{self.num_layers - 1}")
-            if h.dim() != 2 or h.shape[0] != self.num_tokens:
-                raise ValueError(f"hidden state of layer {layer} must be [{self.num_tokens}, hidden], "
-                                 f"got {tuple(h.shape)}")
+        for kind, states in (("hidden", self.hidden), ("residual", self.residual)):
+            for layer, h in states.items():
+                if not 0 <= layer < self.num_layers:
+                    raise ValueError(f"{kind} state for layer {layer} outside 0..{self.num_layers - 1}")
+                if h.dim() != 2 or h.shape[0] != self.num_tokens:
+                    raise ValueError(f"{kind} state of layer {layer} must be [{self.num_tokens}, hidden], "
+                                     f"got {tuple(h.shape)}")
 
     @property
     def num_layers(self) -> int:
@@ -62,8 +65,9 @@ class KVState:
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> KVState:
         hidden = {i: h.to(device=device, dtype=dtype) for i, h in self.hidden.items()}
+        residual = {i: h.to(device=device, dtype=dtype) for i, h in self.residual.items()}
         return KVState(self.keys.to(device=device, dtype=dtype), self.values.to(device=device, dtype=dtype), hidden,
-                       self.start)
+                       self.start, residual)
 
     @property
     def positions(self) -> torch.Tensor:

@@ -21,26 +21,31 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
 
 
 @torch.no_grad()
-def prefill_capture(model: torch.nn.Module, input_ids: torch.Tensor, hidden_layers: Iterable[int] = ()
-                    ) -> tuple[KVState, torch.Tensor]:
+def prefill_capture(model: torch.nn.Module, input_ids: torch.Tensor, hidden_layers: Iterable[int] = (),
+                    residual_layers: Iterable[int] = ()) -> tuple[KVState, torch.Tensor]:
     """Run the prefix ``input_ids`` (1-D) through ``model``; return its state and the logits ``[T, V]``.
 
     ``H_in`` of layer ``i`` is the output of that layer's ``input_layernorm``, captured by a forward
-    hook (no model code is copied).
+    hook; the residual stream entering layer ``i`` by a forward pre-hook (no model code is copied).
     """
     if input_ids.dim() != 1 or input_ids.numel() == 0:
         raise ValueError(f"input_ids must be a non-empty 1-D tensor of token ids, got shape {tuple(input_ids.shape)}")
     layers = decoder_layers(model)
-    wanted = sorted(set(hidden_layers))
-    for i in wanted:
+    wanted, entering = sorted(set(hidden_layers)), sorted(set(residual_layers))
+    for i in (*wanted, *entering):
         if not 0 <= i < len(layers):
             raise ValueError(f"hidden layer {i} outside 0..{len(layers) - 1}")
     captured: dict[int, torch.Tensor] = {}
+    residual: dict[int, torch.Tensor] = {}
     handles = []
     for i in wanted:
         def hook(_module, _args, output, i=i):
             captured[i] = output[0].detach()
         handles.append(layers[i].input_layernorm.register_forward_hook(hook))
+    for i in entering:
+        def pre_hook(_module, args, kwargs, i=i):
+            residual[i] = (args[0] if args else kwargs["hidden_states"])[0].detach()
+        handles.append(layers[i].register_forward_pre_hook(pre_hook, with_kwargs=True))
     cache = DynamicCache(config=model.config)
     device = next(model.parameters()).device
     try:
@@ -50,4 +55,4 @@ def prefill_capture(model: torch.nn.Module, input_ids: torch.Tensor, hidden_laye
             handle.remove()
     keys = torch.stack([layer.keys[0] for layer in cache.layers])
     values = torch.stack([layer.values[0] for layer in cache.layers])
-    return KVState(keys, values, captured), out.logits[0]
+    return KVState(keys, values, captured, 0, residual), out.logits[0]
