@@ -55,13 +55,18 @@ def test_quality_report_shape_and_invariants():
     assert methods["raw"]["kl"] > 0
     assert 0.99 < methods["raw"]["payload_ratio"] < 1.02
     assert methods["int4"]["payload_ratio"] < methods["int8"]["payload_ratio"] < methods["raw"]["payload_ratio"]
+    # droidspeak: 24 of 30 layers raw plus one fp16 hidden state per token, group chosen on calibration text
+    start, stop = methods["droidspeak"]["layers"]
+    assert stop - start == config.droidspeak_layers
+    assert 0.80 < methods["droidspeak"]["payload_ratio"] < 0.90
     assert report.windows == 2 and report.prefix_tokens == 128
 
 
 def test_cli_writes_the_quality_json(tmp_path):
     out = tmp_path / "q.json"
     cmd = [sys.executable, "-m", "scd_store.cli.main", "bench", "quality", "--consumer", "smollm2-135m-shakespeare",
-           "--windows", "1", "--prefix-tokens", "64", "--continuation-tokens", "8", "--json", str(out)]
+           "--windows", "1", "--prefix-tokens", "64", "--continuation-tokens", "8", "--json", str(out),
+           "--methods", "raw,int8,int4"]
     subprocess.run(cmd, check=True, capture_output=True, timeout=600)
     data = json.loads(out.read_text())
     assert set(data) >= {"producer", "consumer", "prefix_tokens", "continuation_tokens", "windows", "methods"}

@@ -16,15 +16,18 @@ import torch
 from tqdm import tqdm
 
 from scd_store.adapters.transformers import LoadedModel, continue_with_prefix, load_model, prefill_capture
+from scd_store.adapters.transformers.droidspeak import DroidSpeakCodec, select_group
 from scd_store.bench.metrics import ContinuationScore
+from scd_store.bench.pareto import plot_pareto
 from scd_store.bench.windows import eval_windows
 from scd_store.codecs import make_codec
 from scd_store.codecs.scd.bundle import load_pair, load_space
 from scd_store.codecs.scd.codec import ScdCodec
 from scd_store.models import catalog
 
-BASELINE_METHODS = ("oracle", "none", "raw", "int8", "int4")
+BASELINE_METHODS = ("oracle", "none", "raw", "int8", "int4", "droidspeak")
 SCD_METHOD = "scd"
+DROIDSPEAK = "droidspeak"
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,23 +42,34 @@ class QualityConfig:
     seed: int = 0
     methods: tuple[str, ...] = BASELINE_METHODS
     device: str = "cpu"
-    bundle: str | None = None  # an SCD calibration bundle: adds the "scd" method
+    bundles: tuple[str, ...] = ()  # SCD calibration bundles: each adds an scd method (see scd_method_names)
+    droidspeak_layers: int = 6  # size of the layer group the droidspeak baseline recomputes
+    selection_windows: int = 4  # calibration-split windows that choose the droidspeak group
+    selection_stride: int = 1  # candidate group starts tried: every layer, or every n-th
 
     def __post_init__(self) -> None:
         if self.windows <= 0 or self.prefix_tokens <= 0 or self.continuation_tokens <= 0:
             raise ValueError("windows, prefix_tokens and continuation_tokens must be positive")
-        unknown = set(self.methods) - set(BASELINE_METHODS) - {SCD_METHOD}
+        unknown = set(self.methods) - set(BASELINE_METHODS)
         if unknown:
-            raise ValueError(f"unknown methods {sorted(unknown)}; known: {', '.join(BASELINE_METHODS)}")
+            raise ValueError(f"unknown methods {sorted(unknown)}; known: {', '.join(BASELINE_METHODS)} "
+                             "(scd methods come from --bundle)")
         if "oracle" not in self.methods:
             raise ValueError("the oracle method is required: every metric is relative to it")
-        if self.bundle is not None and SCD_METHOD not in self.methods:
-            object.__setattr__(self, "methods", (*self.methods, SCD_METHOD))
-        if SCD_METHOD in self.methods and self.bundle is None:
-            raise ValueError("the scd method needs a calibration bundle (--bundle DIR)")
+        if len(set(self.scd_method_names())) != len(self.bundles):
+            raise ValueError("bundles must have distinct directory names")
+        if min(self.droidspeak_layers, self.selection_windows, self.selection_stride) <= 0:
+            raise ValueError("droidspeak_layers, selection_windows and selection_stride must be positive")
+
+    def scd_method_names(self) -> list[str]:
+        """``scd`` for a single bundle, else ``scd:<bundle directory name>`` per bundle."""
+        if len(self.bundles) == 1:
+            return [SCD_METHOD]
+        return [f"{SCD_METHOD}:{Path(b).name}" for b in self.bundles]
 
     def quick(self) -> QualityConfig:
-        return replace(self, windows=min(self.windows, 6), continuation_tokens=min(self.continuation_tokens, 32))
+        return replace(self, windows=min(self.windows, 6), continuation_tokens=min(self.continuation_tokens, 32),
+                       selection_windows=min(self.selection_windows, 2), selection_stride=3)
 
 
 @dataclass(slots=True)
@@ -80,17 +94,26 @@ def run_quality(config: QualityConfig, progress: bool = True) -> QualityReport:
     consumer = load_model(config.consumer, device=config.device)
     length = config.prefix_tokens + config.continuation_tokens + 1
     windows = eval_windows(consumer.tokenizer, spec.corpus, config.windows, length, config.seed)
-    scores = {name: ContinuationScore() for name in config.methods}
-    codecs = {name: make_codec(name) for name in config.methods if name not in ("oracle", "none", SCD_METHOD)}
-    if config.bundle is not None:
-        codecs[SCD_METHOD] = load_scd_codec(Path(config.bundle), producer, consumer)
+    methods = [*config.methods, *config.scd_method_names()]
+    scores = {name: ContinuationScore() for name in methods}
+    codecs = {name: make_codec(name) for name in config.methods if name not in ("oracle", "none", DROIDSPEAK)}
+    for name, bundle in zip(config.scd_method_names(), config.bundles, strict=True):
+        codecs[name] = load_scd_codec(Path(bundle), producer, consumer)
+    residual_layers: list[int] = []
+    if DROIDSPEAK in config.methods:
+        calib = eval_windows(consumer.tokenizer, spec.corpus, config.selection_windows, length - 1, config.seed,
+                             split="calib")
+        group, _ = select_group(producer.model, consumer.model, calib, config.prefix_tokens,
+                                config.droidspeak_layers, stride=config.selection_stride)
+        codecs[DROIDSPEAK] = DroidSpeakCodec(consumer.model, group)
+        residual_layers = [group.start]
     p = config.prefix_tokens
     for window in tqdm(windows, desc=f"quality {config.consumer}", unit="window", disable=not progress):
         prefix, feed, targets = window[:p], window[p:-1], window[p + 1 :]
         own_state, _ = prefill_capture(consumer.model, prefix)
         oracle_logits = continue_with_prefix(consumer.model, own_state, feed)
-        producer_state, _ = prefill_capture(producer.model, prefix)
-        for name in config.methods:
+        producer_state, _ = prefill_capture(producer.model, prefix, residual_layers=residual_layers)
+        for name in methods:
             if name == "oracle":
                 logits, nbytes = oracle_logits, 0
             elif name == "none":
@@ -105,8 +128,14 @@ def run_quality(config: QualityConfig, progress: bool = True) -> QualityReport:
     fp16_per_token = 2 * 2 * producer_state.num_layers * producer_state.num_kv_heads * producer_state.head_dim
     oracle_ppl = scores["oracle"].ppl
     report = QualityReport(config.producer, config.consumer, p, config.continuation_tokens, len(windows), config.seed)
-    for name in config.methods:
+    bundle_of = dict(zip(config.scd_method_names(), config.bundles, strict=True))
+    for name in methods:
         s = scores[name]
+        extra = {}
+        if name == DROIDSPEAK:
+            extra = {"layers": [codecs[name].group.start, codecs[name].group.stop]}
+        elif name in bundle_of:
+            extra = {"bundle": bundle_of[name]}
         report.methods.append({
             "name": name,
             "ppl": round(s.ppl, 4),
@@ -115,6 +144,7 @@ def run_quality(config: QualityConfig, progress: bool = True) -> QualityReport:
             "top1": round(s.top1_rate, 4),
             "bytes_per_token": round(s.bytes_per_token, 2),
             "payload_ratio": round(s.bytes_per_token / fp16_per_token, 4),
+            **extra,
         })
     return report
 
@@ -126,6 +156,8 @@ def load_scd_codec(bundle: Path, producer: LoadedModel, consumer: LoadedModel) -
 
 
 def write_report(report: QualityReport, path: Path | None) -> None:
+    """Write the JSON report and its Pareto plot next to it (same name, ``.png``)."""
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(report.to_json() + "\n")
+        plot_pareto([json.loads(report.to_json())], path.with_suffix(".png"))

@@ -44,14 +44,24 @@ def _bench_quality(args: argparse.Namespace) -> int:
     from scd_store.bench.quality import QualityConfig, run_quality, write_report
     from scd_store.cli.tables import print_quality
 
+    methods = {} if args.methods is None else {"methods": tuple(["oracle", *(m for m in args.methods.split(",")
+                                                                              if m and m != "oracle")])}
     config = QualityConfig(args.consumer, windows=args.windows, seed=args.seed, device=args.device,
                            prefix_tokens=args.prefix_tokens, continuation_tokens=args.continuation_tokens,
-                           bundle=str(args.bundle) if args.bundle else None)
+                           bundles=tuple(str(b) for b in args.bundle),
+                           droidspeak_layers=args.droidspeak_layers, **methods)
     if args.quick:
         config = config.quick()
     report = run_quality(config)
     print_quality(report)
     write_report(report, args.json)
+    return 0
+
+
+def _bench_pareto(args: argparse.Namespace) -> int:
+    from scd_store.bench.pareto import plot_reports
+
+    print(plot_reports(args.reports, args.png))
     return 0
 
 
@@ -122,9 +132,17 @@ def build_parser() -> argparse.ArgumentParser:
     quality.add_argument("--quick", action="store_true", help="6 windows, 32 scored tokens")
     quality.add_argument("--device", default="cpu")
     quality.add_argument("--json", type=Path, help="write the report here")
-    quality.add_argument("--bundle", type=Path, help="an SCD calibration bundle: adds the scd method")
+    quality.add_argument("--bundle", type=Path, action="append", default=[],
+                         help="an SCD calibration bundle: adds an scd method (repeat for a budget sweep)")
+    quality.add_argument("--methods", help="comma-separated subset (oracle is always measured); default: all baselines")
+    quality.add_argument("--droidspeak-layers", type=int, default=6, help="layers the droidspeak baseline recomputes")
     quality.set_defaults(func=_bench_quality)
     _add_store_commands(sub, bench)
+
+    pareto = bench.add_parser("pareto", help="plot quality reports (payload ratio vs PPL increase) into one PNG")
+    pareto.add_argument("reports", type=Path, nargs="+", help="quality report JSON files, one panel each")
+    pareto.add_argument("--png", type=Path, required=True)
+    pareto.set_defaults(func=_bench_pareto)
 
     decode = bench.add_parser("decode", help="SCD decode time against the consumer's own prefill")
     decode.add_argument("--prefix-tokens", type=int, nargs="+", default=[448, 2048])
