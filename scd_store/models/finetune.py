@@ -1,4 +1,4 @@
-"""The project's own fine-tuning script: a seeded LoRA fine-tune of the producer on one corpus."""
+"""The project's own fine-tuning script: a seeded LoRA (+ full-rank parts) fine-tune of the producer on one corpus."""
 
 from __future__ import annotations
 
@@ -28,12 +28,18 @@ class FinetuneRecipe:
     batch_size: int = 4
     steps: int = 160
     warmup_steps: int = 5
+    # modules trained at full rank instead of LoRA ("k_proj", "v_proj", ...; "norm" = every RMSNorm gain)
+    full: tuple[str, ...] = ()
+    full_lr: float = 3e-4
 
     def __post_init__(self) -> None:
         if self.rank <= 0 or self.steps <= 0 or self.batch_size <= 0 or self.seq_len < 16:
             raise ValueError(f"invalid fine-tune recipe: {self}")
-        if not 0 < self.lr < 1:
-            raise ValueError(f"learning rate out of range: {self.lr}")
+        if not 0 < self.lr < 1 or not 0 < self.full_lr < 1:
+            raise ValueError(f"learning rate out of range: {self.lr}, {self.full_lr}")
+        unknown = set(self.full) - set(lora.TARGETS) - {"norm"}
+        if unknown:
+            raise ValueError(f"unknown full-rank targets {sorted(unknown)}; known: {', '.join(lora.TARGETS)}, norm")
 
     @property
     def scale(self) -> float:
@@ -55,17 +61,22 @@ def token_stream(tokenizer, corpus: str, split: str) -> torch.Tensor:
 
 def train_adapter(model, tokenizer, recipe: FinetuneRecipe, out: Path, metadata: dict[str, str],
                   device: str = "cpu") -> dict:
-    """Fine-tune ``model`` (modified in place) with LoRA per ``recipe``; save the adapter to ``out``.
+    """Fine-tune ``model`` (modified in place) per ``recipe``; save the adapter to ``out``.
 
     On CUDA the forward runs under bf16 autocast (the adapter's parameters stay fp32).
     """
     torch.manual_seed(recipe.seed)
     stream = token_stream(tokenizer, recipe.corpus, "train")
     generator = torch.Generator().manual_seed(recipe.seed)
-    wrapped = lora.attach(model, recipe.rank, recipe.alpha, recipe.seed)
+    wrapped = lora.attach(model, recipe.rank, recipe.alpha, recipe.seed, full=recipe.full)
     model.to(device)
-    params = [p for layer in wrapped.values() for p in (layer.lora_a, layer.lora_b)]
-    optimizer = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=0.0)
+    full = lora.unfreeze_full(model, recipe.full)
+    low_rank = [p for layer in wrapped.values() for p in (layer.lora_a, layer.lora_b)]
+    groups = [{"params": low_rank, "lr": recipe.lr}]
+    if full:
+        groups.append({"params": [p for p, _ in full.values()], "lr": recipe.full_lr})
+    params = [p for group in groups for p in group["params"]]
+    optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
 
     def lr_at(step: int) -> float:
         if step < recipe.warmup_steps:
@@ -92,7 +103,7 @@ def train_adapter(model, tokenizer, recipe: FinetuneRecipe, out: Path, metadata:
         bar.set_postfix(loss=f"{sum(losses[-10:]) / len(losses[-10:]):.3f}")
     model.eval()
     meta = dict(metadata, recipe=recipe.to_json(), final_loss=f"{sum(losses[-10:]) / len(losses[-10:]):.4f}")
-    lora.save_adapter(out, wrapped, meta)
+    lora.save_adapter(out, wrapped, meta, full)
     return {
         "tokens": recipe.steps * recipe.batch_size * recipe.seq_len,
         "seconds": time.perf_counter() - start,

@@ -1,7 +1,9 @@
-"""Low-rank adapters (LoRA) for the consumers' fine-tunes: attach, train, save, merge.
+"""Adapters for the consumers' fine-tunes: LoRA layers plus optional full-rank deltas.
 
-Kept tiny on purpose: the adapters are committed with the script that made them, and merged
-into the producer's weights to build each consumer checkpoint.
+An adapter file holds, per LoRA layer, ``{layer}.lora_a`` / ``{layer}.lora_b`` and, per parameter
+trained at full rank (e.g. the K / V projections and the RMSNorm gains), ``{param}.delta`` = trained
+minus initial weight. Kept small on purpose: adapters are committed with the script that made
+them, and merged into the producer's weights to build each consumer checkpoint.
 """
 
 from __future__ import annotations
@@ -33,15 +35,17 @@ class LoRALinear(nn.Module):
         return self.base(x) + (x @ self.lora_a.t() @ self.lora_b.t()) * self.scale
 
 
-def attach(model: nn.Module, rank: int, alpha: float, seed: int) -> dict[str, LoRALinear]:
-    """Wrap every target linear layer of ``model`` in a LoRA layer; freeze everything else."""
+def attach(model: nn.Module, rank: int, alpha: float, seed: int, full: tuple[str, ...] = ()
+           ) -> dict[str, LoRALinear]:
+    """Wrap every target linear layer of ``model`` not named in ``full`` in a LoRA layer; freeze
+    everything else (see :func:`unfreeze_full` for the full-rank part)."""
     for param in model.parameters():
         param.requires_grad_(False)
     generator = torch.Generator().manual_seed(seed)
     wrapped: dict[str, LoRALinear] = {}
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
-            if child_name in TARGETS and isinstance(child, nn.Linear):
+            if child_name in TARGETS and child_name not in full and isinstance(child, nn.Linear):
                 lora = LoRALinear(child, rank, alpha, generator)
                 setattr(module, child_name, lora)
                 wrapped[f"{name}.{child_name}" if name else child_name] = lora
@@ -50,26 +54,55 @@ def attach(model: nn.Module, rank: int, alpha: float, seed: int) -> dict[str, Lo
     return wrapped
 
 
-def adapter_state(wrapped: dict[str, LoRALinear]) -> dict[str, torch.Tensor]:
-    """The adapter's tensors, named ``{layer}.lora_a`` / ``{layer}.lora_b``, in bf16."""
+def unfreeze_full(model: nn.Module, full: tuple[str, ...]) -> dict[str, tuple[nn.Parameter, torch.Tensor]]:
+    """Make parameters trainable at full rank: those of modules named in ``full`` (``"k_proj"``, or
+    ``"norm"`` for every RMSNorm gain). Returns ``{param name: (param, copy of its initial value)}``."""
+    chosen: dict[str, tuple[nn.Parameter, torch.Tensor]] = {}
+    for name, param in model.named_parameters():
+        parts = name.split(".")
+        module = parts[-2] if len(parts) > 1 else ""
+        is_norm = "norm" in full and module.endswith("norm")
+        if module in full or is_norm:
+            param.requires_grad_(True)
+            chosen[name] = (param, param.detach().clone())
+    if full and not chosen:
+        raise ValueError(f"no parameters match the full-rank targets {full}")
+    return chosen
+
+
+def adapter_state(wrapped: dict[str, LoRALinear],
+                  full: dict[str, tuple[nn.Parameter, torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
+    """The adapter's tensors in bf16: ``{layer}.lora_a`` / ``.lora_b`` and ``{param}.delta``."""
     state = {}
     for name, lora in wrapped.items():
         state[f"{name}.lora_a"] = lora.lora_a.detach().to(torch.bfloat16).contiguous()
         state[f"{name}.lora_b"] = lora.lora_b.detach().to(torch.bfloat16).contiguous()
+    for name, (param, initial) in (full or {}).items():
+        state[f"{name}.delta"] = (param.detach() - initial).to(torch.bfloat16).contiguous()
     return state
 
 
-def save_adapter(path: Path, wrapped: dict[str, LoRALinear], metadata: dict[str, str]) -> None:
-    save_file(adapter_state(wrapped), str(path), metadata=metadata)
+def save_adapter(path: Path, wrapped: dict[str, LoRALinear], metadata: dict[str, str],
+                 full: dict[str, tuple[nn.Parameter, torch.Tensor]] | None = None) -> None:
+    save_file(adapter_state(wrapped, full), str(path), metadata=metadata)
 
 
 @torch.no_grad()
 def merge_adapter(model: nn.Module, path: Path, scale: float) -> int:
-    """Add ``scale * B @ A`` of each adapter layer into ``model``'s weights; return layers merged."""
+    """Add ``scale * B @ A`` of each LoRA layer and each full-rank ``delta`` into ``model``'s weights;
+    return the number of tensors merged."""
     tensors = load_file(str(path))
     modules = dict(model.named_modules())
+    params = dict(model.named_parameters())
     merged = 0
-    for key, lora_a in tensors.items():
+    for key, tensor in tensors.items():
+        if key.endswith(".delta"):
+            name = key.removesuffix(".delta")
+            if name not in params or params[name].shape != tensor.shape:
+                raise ValueError(f"adapter delta {name!r} has no matching parameter in the model")
+            params[name] += tensor.to(params[name].dtype)
+            merged += 1
+            continue
         if not key.endswith(".lora_a"):
             continue
         name = key.removesuffix(".lora_a")
@@ -77,6 +110,6 @@ def merge_adapter(model: nn.Module, path: Path, scale: float) -> int:
             raise ValueError(f"adapter layer {name!r} has no matching linear layer in the model")
         weight = modules[name].weight
         lora_b = tensors[f"{name}.lora_b"]
-        weight += (lora_b.float() @ lora_a.float()).to(weight.dtype) * scale
+        weight += (lora_b.float() @ tensor.float()).to(weight.dtype) * scale
         merged += 1
     return merged

@@ -31,3 +31,34 @@ def test_only_adapter_parameters_train():
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all(n.endswith(("lora_a", "lora_b")) for n in trainable)
     assert len(trainable) == 2 * len(wrapped)
+
+
+def test_full_rank_deltas_merge_with_the_low_rank_part(tmp_path):
+    adapted = tiny_llama(seed=0)
+    wrapped = lora.attach(adapted, rank=2, alpha=4.0, seed=0, full=("k_proj", "v_proj", "norm"))
+    assert not any(name.endswith(("k_proj", "v_proj")) for name in wrapped)
+    full = lora.unfreeze_full(adapted, ("k_proj", "v_proj", "norm"))
+    assert any(name.endswith("input_layernorm.weight") for name in full)
+    assert any(name.endswith("self_attn.k_proj.weight") for name in full)
+    with torch.no_grad():
+        for layer in wrapped.values():
+            layer.lora_b.copy_((torch.randn_like(layer.lora_b) * 0.05).bfloat16().float())
+        for param, initial in full.values():
+            param.copy_(initial + (torch.randn_like(param) * 0.05).bfloat16().float())
+    path = tmp_path / "adapter.safetensors"
+    lora.save_adapter(path, wrapped, {"note": "test"}, full)
+
+    merged = tiny_llama(seed=0)
+    assert lora.merge_adapter(merged, path, scale=2.0) == len(wrapped) + len(full)
+    ids = torch.randint(0, 128, (1, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, adapted(input_ids=ids).logits, atol=2e-3, rtol=2e-3)
+
+
+def test_unknown_full_rank_target_is_refused():
+    import pytest
+
+    from scd_store.models.finetune import FinetuneRecipe
+
+    with pytest.raises(ValueError, match="full-rank targets"):
+        FinetuneRecipe(corpus="python", full=("q_porj",))
