@@ -18,7 +18,9 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 
 from scd_store.codecs.scd.decoder import PairDecoder
+from scd_store.codecs.scd.hidden import HiddenCode
 from scd_store.codecs.scd.layout import KVLayout
+from scd_store.codecs.scd.patch import PatchAligner
 from scd_store.codecs.scd.space import CodeSpace
 
 FORMAT = "scd-bundle"
@@ -58,6 +60,7 @@ def save_space(bundle: Path, space: CodeSpace, extra: dict | None = None) -> Non
     _write_json(bundle / "space.json", {
         "format": FORMAT, "format_version": FORMAT_VERSION, "kind": "space",
         "space_id": space.space_id, "layout": space.layout.to_dict(), "sink_tokens": space.sink_tokens,
+        "patch_layers": list(space.patch_layers),
         "producer_fingerprint": space.producer_fingerprint, "content_fingerprint": space.fingerprint,
         "bits_per_token": space.bits_per_token, "payload_ratio": round(space.payload_ratio(), 5),
         **(extra or {}),
@@ -72,9 +75,13 @@ def load_space(bundle: Path, producer_fingerprint: str | None = None) -> CodeSpa
                           f"{manifest['producer_fingerprint']}, not {producer_fingerprint}")
     try:
         tensors = load_file(str(bundle / "space.safetensors"))
+        hidden = None
+        if manifest.get("patch_layers"):
+            hidden = HiddenCode(tuple(manifest["patch_layers"]), tensors["hidden_mean"], tensors["hidden_basis"],
+                                tensors["hidden_sigma"], tensors["hidden_bits"])
         space = CodeSpace(manifest["space_id"], KVLayout(**manifest["layout"]), tensors["mean"], tensors["basis"],
                           tensors["sigma"], tensors["bits"], int(manifest["sink_tokens"]),
-                          manifest["producer_fingerprint"])
+                          manifest["producer_fingerprint"], hidden)
     except (KeyError, OSError, TypeError, ValueError) as exc:
         raise BundleError(f"{bundle}: cannot load the code space: {exc}") from None
     if space.fingerprint != manifest["content_fingerprint"]:
@@ -85,10 +92,11 @@ def load_space(bundle: Path, producer_fingerprint: str | None = None) -> CodeSpa
 def save_pair(bundle: Path, decoder: PairDecoder, extra: dict | None = None) -> None:
     pairs = bundle / "pairs"
     pairs.mkdir(parents=True, exist_ok=True)
-    save_file({"weight": decoder.weight.contiguous(), "bias": decoder.bias.contiguous()},
+    save_file({k: v.detach().contiguous() for k, v in decoder.tensors().items()},
               str(pairs / f"{decoder.consumer}.safetensors"))
     _write_json(pairs / f"{decoder.consumer}.json", {
         "format": FORMAT, "format_version": FORMAT_VERSION, "kind": "pair", "consumer": decoder.consumer,
+        "patches": [{"layer": p.layer, "source": p.source} for p in decoder.patches],
         "consumer_fingerprint": decoder.consumer_fingerprint, "space_fingerprint": decoder.space_fingerprint,
         "content_fingerprint": decoder.fingerprint, **(extra or {}),
     })
@@ -108,8 +116,12 @@ def load_pair(bundle: Path, consumer: str, space: CodeSpace, consumer_fingerprin
                           f"{manifest['consumer_fingerprint']}, not {consumer_fingerprint}")
     try:
         tensors = load_file(str(bundle / "pairs" / f"{consumer}.safetensors"))
+        patches = [PatchAligner(int(p["layer"]), p["source"], **{
+            name: tensors[f"patch.{p['layer']}.{name}"]
+            for name in ("w_in", "b_in", "w_out", "k_proj", "v_proj", "k_bias", "v_bias")})
+            for p in manifest.get("patches", [])]
         decoder = PairDecoder(consumer, manifest["space_fingerprint"], tensors["weight"], tensors["bias"],
-                              manifest["consumer_fingerprint"])
+                              manifest["consumer_fingerprint"], patches)
     except (KeyError, OSError, TypeError, ValueError) as exc:
         raise BundleError(f"{bundle}: cannot load the decoder of {consumer}: {exc}") from None
     if decoder.fingerprint != manifest["content_fingerprint"]:

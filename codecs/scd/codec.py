@@ -25,10 +25,16 @@ class ScdCodec(Codec):
     def __init__(self, space: CodeSpace, decoder: PairDecoder | None = None):
         if decoder is not None and decoder.space_fingerprint != space.fingerprint:
             raise ValueError(f"decoder of {decoder.consumer} belongs to another code space")
+        if decoder is not None:
+            hidden = sorted(p.layer for p in decoder.patches if p.source == "hidden")
+            if hidden != sorted(space.patch_layers):
+                raise ValueError(f"decoder of {decoder.consumer} patches H_in at layers {hidden}, the code space "
+                                 f"codes H_in at {sorted(space.patch_layers)}")
         self.space = space
         self.decoder = decoder
         self._rope = RopeTable(space.layout.head_dim, space.layout.rope_theta)
         self._matrices: dict[tuple[str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._patches: dict[str, list] = {}
 
     def encode(self, state: KVState) -> bytes:
         return self.space.encode(state)
@@ -41,6 +47,24 @@ class ScdCodec(Codec):
             active = self.space.active_components
             self._matrices[key] = (matrix[:, :active].contiguous(), offset.unsqueeze(1).contiguous())
         return self._matrices[key]
+
+    def _apply_patches(self, features: torch.Tensor, codes, device) -> None:
+        """Overwrite the patch layers' groups of ``features`` ``[G, T, C]`` with the aligners' K / V."""
+        key = str(device)
+        if key not in self._patches:
+            self._patches[key] = [p.to(device) for p in self.decoder.patches]
+        hidden = None
+        if self.space.hidden is not None:
+            hidden = self.space.hidden.reconstruct(codes.hidden_codes)  # [T, P, D]
+        with torch.no_grad():
+            for patch in self._patches[key]:
+                layer = patch.layer
+                if patch.source == "hidden":
+                    x = hidden[:, self.space.hidden.layers.index(layer)]
+                else:
+                    x = torch.cat([features[2 * layer], features[2 * layer + 1]], dim=-1)
+                keys, values = patch(x)
+                features[2 * layer], features[2 * layer + 1] = keys, values
 
     def decode(self, payload: bytes, *, device="cpu", dtype=torch.float32) -> KVState:
         if self.decoder is None:
@@ -61,6 +85,8 @@ class ScdCodec(Codec):
             by_component = codes.codes.t().reshape(layout.groups, layout.width, coded)
             q = by_component[:, :active].to(torch.float32)  # [G, active, T]
             features = torch.baddbmm(offset, q.transpose(1, 2), matrix)  # [G, T, C]
+            if self.decoder.patches:
+                self._apply_patches(features, codes, device)
             write_token_major(features, layout, codes.start + sinks, self._rope, keys[:, :, sinks:],
                               values[:, :, sinks:])
         return KVState(keys, values, start=codes.start)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from scd_store.codecs.fingerprint import tensors_fingerprint
+from scd_store.codecs.scd.patch import PatchAligner
 from scd_store.codecs.scd.quantizer import STEP
 from scd_store.codecs.scd.space import CodeSpace
 
@@ -30,12 +31,18 @@ class PairDecoder:
     weight: torch.Tensor  # [G, C, C], residual: y = x + x @ W + b
     bias: torch.Tensor  # [G, C]
     consumer_fingerprint: str = ""
+    patches: list[PatchAligner] = field(default_factory=list)  # PATCH layers, applied after the maps
     _folded: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         g, c = self.bias.shape
         if tuple(self.weight.shape) != (g, c, c):
             raise ValueError(f"decoder weight {tuple(self.weight.shape)} does not match bias {tuple(self.bias.shape)}")
+        layers = [p.layer for p in self.patches]
+        if len(set(layers)) != len(layers) or any(not 0 <= layer < g // 2 for layer in layers):
+            raise ValueError(f"patch layers {layers} must be distinct layers of the model")
+        if any(p.k_proj.shape[0] != c for p in self.patches):
+            raise ValueError("patch aligners do not produce this decoder's feature width")
 
     @classmethod
     def identity(cls, space: CodeSpace, consumer: str, mean_shift: torch.Tensor | None = None) -> PairDecoder:
@@ -44,9 +51,17 @@ class PairDecoder:
         bias = torch.zeros(g, c) if mean_shift is None else mean_shift.float().clone()
         return cls(consumer, space.fingerprint, torch.zeros(g, c, c), bias)
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor, named as stored in a bundle (``patch.<layer>.<name>`` for aligners)."""
+        tensors = {"weight": self.weight, "bias": self.bias}
+        for patch in self.patches:
+            tensors.update({f"patch.{patch.layer}.{k}": v for k, v in patch.tensors().items()})
+        return tensors
+
     @property
     def fingerprint(self) -> str:
-        return tensors_fingerprint({"weight": self.weight, "bias": self.bias}, extra=self.space_fingerprint)
+        sources = ",".join(f"{p.layer}:{p.source}" for p in self.patches)
+        return tensors_fingerprint(self.tensors(), extra=self.space_fingerprint + (f"|{sources}" if sources else ""))
 
     def folded(self, space: CodeSpace, device: torch.device | str, dtype: torch.dtype
                ) -> tuple[torch.Tensor, torch.Tensor]:

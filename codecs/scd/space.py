@@ -8,6 +8,7 @@ import torch
 
 from scd_store.codecs.fingerprint import tensors_fingerprint
 from scd_store.codecs.kv_state import KVState
+from scd_store.codecs.scd.hidden import HiddenCode
 from scd_store.codecs.scd.layout import KVLayout, to_features
 from scd_store.codecs.scd.quantizer import allocate_bits, dequantize, pack_codes, packed_size, quantize, unpack_codes
 from scd_store.codecs.tensor_pack import PayloadError, pack, unpack
@@ -23,6 +24,7 @@ class SpaceCodes:
     num_tokens: int
     codes: torch.Tensor  # [T - sinks, groups * C] uint8 quantiser indices
     sinks: KVState | None  # the first tokens' raw KV (absolute positions < sink_tokens)
+    hidden_codes: torch.Tensor | None = None  # [T - sinks, patch layers * hidden size], PATCH spaces only
 
 
 @dataclass(slots=True)
@@ -31,7 +33,8 @@ class CodeSpace:
     (columns by decreasing variance), component standard deviations and a bit budget.
 
     Tokens at absolute positions below ``sink_tokens`` are sent raw (fp16): attention sinks are
-    never put through the basis.
+    never put through the basis. A PATCH space also codes ``H_in`` at its patch layers (``hidden``);
+    the K / V groups of those layers then carry no bits: consumers regenerate them.
     """
 
     space_id: str
@@ -42,6 +45,7 @@ class CodeSpace:
     bits: torch.Tensor
     sink_tokens: int = 4
     producer_fingerprint: str = ""
+    hidden: HiddenCode | None = None
     _fingerprint: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
@@ -54,29 +58,55 @@ class CodeSpace:
         if self.sink_tokens < 0:
             raise ValueError("sink_tokens must be >= 0")
         self.bits = self.bits.to(torch.int64)
-        self._fingerprint = tensors_fingerprint(self.tensors(), extra=f"{self.layout}|{self.sink_tokens}")
+        if self.hidden is not None:
+            if max(self.hidden.layers) >= self.layout.num_layers:
+                raise ValueError(f"patch layers {self.hidden.layers} outside the model's {self.layout.num_layers}")
+            if any(int(self.bits[2 * layer : 2 * layer + 2].sum()) for layer in self.hidden.layers):
+                raise ValueError("K / V groups of patch layers must carry no bits (the consumer regenerates them)")
+        self._fingerprint = tensors_fingerprint(self.tensors(), extra=f"{self.layout}|{self.sink_tokens}"
+                                                f"|{self.patch_layers}")
 
     @classmethod
     def from_statistics(cls, space_id: str, layout: KVLayout, mean: torch.Tensor, cov: torch.Tensor, budget: float,
-                        key_weight: float = 1.0, sink_tokens: int = 4, producer_fingerprint: str = "") -> CodeSpace:
+                        key_weight: float = 1.0, sink_tokens: int = 4, producer_fingerprint: str = "",
+                        hidden_stats: tuple[tuple[int, ...], torch.Tensor, torch.Tensor] | None = None) -> CodeSpace:
         """A space from per-group feature means ``[G, C]`` and covariances ``[G, C, C]``: the PCA basis
-        (components by decreasing variance) and ``budget`` (coded payload vs fp16) spread over the
-        components by :func:`allocate_bits`, keys' distortion weighted by ``key_weight``."""
+        (components by decreasing variance) and ``budget`` (coded bits per dimension against fp16)
+        spread over the components by :func:`allocate_bits`, keys' distortion weighted by
+        ``key_weight``. ``hidden_stats`` = (patch layers, ``H_in`` means ``[P, D]``, covariances
+        ``[P, D, D]``) makes a PATCH space: ``H_in`` is coded at the same bits per dimension and the
+        patch layers' K / V groups get none."""
         eigvals, eigvecs = torch.linalg.eigh(cov.double())
         eigvals, eigvecs = eigvals.flip(-1).clamp_min(0), eigvecs.flip(-1)
         weights = torch.ones_like(eigvals)
         weights[0::2] = key_weight
-        bits = allocate_bits(eigvals, weights, round(budget * 16 * layout.groups * layout.width))
+        hidden = None
+        coded_groups = layout.groups
+        if hidden_stats is not None:
+            layers, h_mean, h_cov = hidden_stats
+            hidden = HiddenCode.from_statistics(tuple(layers), h_mean, h_cov, budget * 16)
+            for layer in hidden.layers:
+                weights[2 * layer : 2 * layer + 2] = 0
+            coded_groups -= 2 * len(hidden.layers)
+        bits = allocate_bits(eigvals, weights, round(budget * 16 * coded_groups * layout.width))
         return cls(space_id, layout, mean.float(), eigvecs.float(), eigvals.sqrt().float(), bits, sink_tokens,
-                   producer_fingerprint)
+                   producer_fingerprint, hidden)
 
     @property
     def fingerprint(self) -> str:
         """Content fingerprint: blobs and decoders are bound to it."""
         return self._fingerprint
 
+    @property
+    def patch_layers(self) -> tuple[int, ...]:
+        """Layers whose ``H_in`` this space codes (empty for a REUSE-only space)."""
+        return self.hidden.layers if self.hidden is not None else ()
+
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {"mean": self.mean, "basis": self.basis, "sigma": self.sigma, "bits": self.bits}
+        tensors = {"mean": self.mean, "basis": self.basis, "sigma": self.sigma, "bits": self.bits}
+        if self.hidden is not None:
+            tensors.update(self.hidden.tensors())
+        return tensors
 
     @property
     def active_components(self) -> int:
@@ -86,7 +116,7 @@ class CodeSpace:
 
     @property
     def bits_per_token(self) -> int:
-        return int(self.bits.sum())
+        return int(self.bits.sum()) + (int(self.hidden.bits.sum()) if self.hidden is not None else 0)
 
     def payload_ratio(self) -> float:
         """Coded bits per (non-sink) token against raw fp16 KV."""
@@ -111,6 +141,9 @@ class CodeSpace:
             flat_bits = self.bits.flatten().to(z.device)
             codes = quantize(z, self.sigma.flatten().to(z), flat_bits)
             tensors["codes"] = pack_codes(codes, flat_bits)
+            if self.hidden is not None:
+                hidden_codes = self.hidden.quantize(state.hidden, sinks)
+                tensors["hidden_codes"] = pack_codes(hidden_codes, self.hidden.bits.flatten().to(z.device))
         meta = {"space": self.fingerprint, "start": state.start, "tokens": state.num_tokens, "sinks": sinks}
         return pack(CODEC_ID, meta, tensors)
 
@@ -132,6 +165,16 @@ class CodeSpace:
                 codes = unpack_codes(packed, coded, flat_bits)
             else:
                 codes = torch.zeros(0, flat_bits.numel(), dtype=torch.uint8, device=device)
+            hidden_codes = None
+            if self.hidden is not None:
+                hidden_bits = self.hidden.bits.flatten()
+                if coded:
+                    packed = t["hidden_codes"].to(device)
+                    if packed.numel() != packed_size(coded, hidden_bits):
+                        raise PayloadError("payload hidden-code section has the wrong size")
+                    hidden_codes = unpack_codes(packed, coded, hidden_bits)
+                else:
+                    hidden_codes = torch.zeros(0, hidden_bits.numel(), dtype=torch.uint8, device=device)
             sink_state = None
             if sinks:
                 sink_state = KVState(t["sink_keys"].to(device), t["sink_values"].to(device), start=start)
@@ -142,7 +185,7 @@ class CodeSpace:
             if isinstance(exc, PayloadError):
                 raise
             raise PayloadError(f"scd payload is inconsistent: {exc}") from None
-        return SpaceCodes(start, tokens, codes, sink_state)
+        return SpaceCodes(start, tokens, codes, sink_state, hidden_codes)
 
     def reconstruct(self, codes: torch.Tensor) -> torch.Tensor:
         """Basis coordinates ``[T, groups, C]`` (quantiser mid-points) of integer ``codes``."""
