@@ -35,3 +35,42 @@ def test_small_calibration_round_trip(producer, shakespeare, tmp_path):
 
     with pytest.raises(BundleError, match="producer"):
         load_space(tmp_path, producer_fingerprint=shakespeare.fingerprint)
+
+
+def test_small_patch_calibrations(producer, shakespeare, tmp_path):
+    from scd_store.adapters.transformers.patch_select import choose_patch_layers, layer_gains
+
+    window = eval_windows(shakespeare.tokenizer, "shakespeare", 1, 72, seed=11, split="calib")
+    gains = layer_gains(producer.model, shakespeare.model, window, prefix_tokens=64)
+    assert len(gains) == 30 and max(gains) > 0
+    layers = choose_patch_layers([gains], 2)
+    assert len(layers) == 2 and all(gains[i] >= sorted(gains)[-2] for i in layers)
+
+    config = CalibrationConfig(budget=0.25, basis_windows=3, prefix_tokens=64, continuation_tokens=8,
+                               distill_windows=4, distill_steps=4, patch_layers=2, patch_units=16)
+    space = fit_space(producer, ["shakespeare"], config, "it-patch", progress=False, patch_layers=layers)
+    assert space.patch_layers == layers and space.payload_ratio() > 0.25  # H_in is wider than K + V
+    decoder, _ = distil_decoder(producer, shakespeare, space, "shakespeare", config, progress=False)
+    assert [(p.layer, p.source) for p in decoder.patches] == [(layers[0], "hidden"), (layers[1], "hidden")]
+    save_space(tmp_path, space)
+    save_pair(tmp_path, decoder)
+    codec = load_scd_codec(tmp_path, producer, shakespeare)
+    test = eval_windows(shakespeare.tokenizer, "shakespeare", 1, 80, seed=9)[0]
+    produced, _ = prefill_capture(producer.model, test[:64], hidden_layers=layers)
+    payload = codec.encode(produced)
+    decoded = codec.decode(payload)
+    # the patched layers' K / V are regenerated per token from the coded H_in (their groups carry no bits)
+    for layer in layers:
+        v = decoded.values[layer, :, 4:]
+        assert torch.isfinite(v).all() and v.std(dim=1).mean() > 0.1 * produced.values[layer, :, 4:].std(dim=1).mean()
+    del produced.hidden[layers[0]]
+    with pytest.raises(ValueError, match="capture H_in"):
+        codec.encode(produced)
+
+    kv_space = fit_space(producer, ["shakespeare"], CalibrationConfig(
+        budget=0.25, basis_windows=3, prefix_tokens=64, continuation_tokens=8, patch_source="kv"), "it-kv",
+        progress=False, patch_layers=layers)
+    assert kv_space.patch_layers == ()  # the kv variant adds nothing to the payload
+    kv_decoder, _ = distil_decoder(producer, shakespeare, kv_space, "shakespeare", config, progress=False,
+                                   patch_layers=layers)
+    assert [p.source for p in kv_decoder.patches] == ["kv", "kv"]

@@ -27,6 +27,7 @@ from scd_store.bench.windows import eval_windows
 from scd_store.codecs.kv_state import KVState
 from scd_store.codecs.scd.decoder import PairDecoder
 from scd_store.codecs.scd.layout import KVLayout, to_features
+from scd_store.codecs.scd.patch import SOURCES, PatchAligner
 from scd_store.codecs.scd.rope import apply_rope, rope_cos_sin
 from scd_store.codecs.scd.space import CodeSpace
 
@@ -47,7 +48,12 @@ class CalibrationConfig:
     lr_weight: float = 1e-4
     lr_bias: float = 1e-3
     seed: int = 0
-    split: str = "calib"
+    splits: tuple[str, ...] = ("calib", "train")  # corpus splits windows are drawn from: never "eval"
+    patch_layers: int = 0  # k: layers whose K / V the consumer regenerates (PATCH); 0 = REUSE only
+    patch_source: str = "hidden"  # "hidden": code H_in at those layers; "kv": aligners on REUSE output
+    patch_units: int = 128  # aligner MLP width
+    lr_patch: float = 1e-3
+    selection_windows: int = 4  # calibration windows that rank the layers for PATCH
 
     def __post_init__(self) -> None:
         if not 0 < self.budget <= 1:
@@ -56,6 +62,20 @@ class CalibrationConfig:
             raise ValueError("prefix must be longer than the sink tokens; continuation must be positive")
         if min(self.basis_windows, self.distill_windows, self.batch_size) <= 0 or self.distill_steps < 0:
             raise ValueError("window counts and batch size must be positive")
+        if self.patch_layers < 0 or self.patch_units <= 0 or self.selection_windows <= 0:
+            raise ValueError("patch_layers must be >= 0; patch_units and selection_windows positive")
+        if not self.splits or "eval" in self.splits:
+            raise ValueError(f"calibration splits must be non-empty and exclude eval, got {self.splits}")
+        if self.patch_source not in SOURCES:
+            raise ValueError(f"patch_source must be one of {SOURCES}, got {self.patch_source!r}")
+
+
+def calibration_windows(tokenizer, corpus: str, count: int, length: int, seed: int, splits: tuple[str, ...]
+                        ) -> list[torch.Tensor]:
+    """``count`` windows of ``length`` tokens spread evenly over ``splits`` of ``corpus``."""
+    shares = [count // len(splits) + (i < count % len(splits)) for i in range(len(splits))]
+    return [w for split, share in zip(splits, shares, strict=True) if share
+            for w in eval_windows(tokenizer, corpus, share, length, seed, split=split)]
 
 
 def layout_of(model: torch.nn.Module) -> KVLayout:
@@ -69,25 +89,38 @@ def layout_of(model: torch.nn.Module) -> KVLayout:
 
 
 def fit_space(producer: LoadedModel, corpora: list[str], config: CalibrationConfig, space_id: str,
-              progress: bool = True) -> CodeSpace:
-    """PCA basis and bit allocation from the producer's KV on calibration windows of ``corpora``."""
+              progress: bool = True, patch_layers: tuple[int, ...] = ()) -> CodeSpace:
+    """PCA basis and bit allocation from the producer's KV on calibration windows of ``corpora``; with
+    ``patch_layers`` (and ``patch_source="hidden"``) also the basis of ``H_in`` at those layers."""
     layout = layout_of(producer.model)
     g, c = layout.groups, layout.width
     total = torch.zeros(g, c, dtype=torch.float64)
     outer = torch.zeros(g, c, c, dtype=torch.float64)
+    coded_hidden = patch_layers if config.patch_source == "hidden" else ()
+    width = producer.model.config.hidden_size
+    h_total = torch.zeros(len(coded_hidden), width, dtype=torch.float64)
+    h_outer = torch.zeros(len(coded_hidden), width, width, dtype=torch.float64)
     count = 0
-    windows = [w for corpus in corpora for w in eval_windows(
-        producer.tokenizer, corpus, config.basis_windows, config.prefix_tokens, config.seed, split=config.split)]
+    windows = [w for corpus in corpora for w in calibration_windows(
+        producer.tokenizer, corpus, config.basis_windows, config.prefix_tokens, config.seed, config.splits)]
     for window in tqdm(windows, desc="code space: producer KV", unit="window", disable=not progress):
-        state, _ = prefill_capture(producer.model, window)
+        state, _ = prefill_capture(producer.model, window, hidden_layers=coded_hidden)
         x = to_features(state, layout)[config.sink_tokens:].double().transpose(0, 1)  # [G, T, C]
         total += x.sum(1)
         outer += x.transpose(1, 2) @ x
         count += x.shape[1]
+        if coded_hidden:
+            h = torch.stack([state.hidden[layer][config.sink_tokens:] for layer in coded_hidden]).double()
+            h_total += h.sum(1)
+            h_outer += h.transpose(1, 2) @ h
     mean = total / count
     cov = outer / count - mean.unsqueeze(2) * mean.unsqueeze(1)
+    hidden_stats = None
+    if coded_hidden:
+        h_mean = h_total / count
+        hidden_stats = (coded_hidden, h_mean, h_outer / count - h_mean.unsqueeze(2) * h_mean.unsqueeze(1))
     return CodeSpace.from_statistics(space_id, layout, mean, cov, config.budget, config.key_weight,
-                                     config.sink_tokens, producer.fingerprint)
+                                     config.sink_tokens, producer.fingerprint, hidden_stats)
 
 
 @dataclass(slots=True)
@@ -98,6 +131,7 @@ class _DistillData:
     feed: torch.Tensor  # [N, continuation] token ids
     teacher: torch.Tensor  # [N, continuation, V] fp16 logits of the consumer on its own prefill
     mean_shift: torch.Tensor  # [G, C]
+    hidden: torch.Tensor | None  # [N, T - sinks, P, D] fp16: decoded producer H_in at the space's patch layers
 
 
 @torch.no_grad()
@@ -105,14 +139,17 @@ def _collect(producer: LoadedModel, consumer: LoadedModel, space: CodeSpace, cor
              progress: bool) -> _DistillData:
     p, s = config.prefix_tokens, config.sink_tokens
     length = p + config.continuation_tokens
-    windows = eval_windows(consumer.tokenizer, corpus, config.distill_windows, length, config.seed + 1,
-                           split=config.split)
-    xhats, sink_k, sink_v, feeds, teachers = [], [], [], [], []
+    windows = calibration_windows(consumer.tokenizer, corpus, config.distill_windows, length, config.seed + 1,
+                                  config.splits)
+    xhats, sink_k, sink_v, feeds, teachers, hiddens = [], [], [], [], [], []
     shift = torch.zeros(space.layout.groups, space.layout.width, dtype=torch.float64)
     basis_t = space.basis.transpose(1, 2)
     for window in tqdm(windows, desc=f"distil {consumer.name}: teacher", unit="window", disable=not progress):
-        produced, _ = prefill_capture(producer.model, window[:p])
-        zhat = space.reconstruct(space.unpack(space.encode(produced)).codes)
+        produced, _ = prefill_capture(producer.model, window[:p], hidden_layers=space.patch_layers)
+        codes = space.unpack(space.encode(produced))
+        zhat = space.reconstruct(codes.codes)
+        if space.hidden is not None:
+            hiddens.append(space.hidden.reconstruct(codes.hidden_codes).half())
         xhat = torch.bmm(zhat.transpose(0, 1), basis_t).transpose(0, 1) + space.mean  # [T - s, G, C]
         own, logits = prefill_capture(consumer.model, window)
         own_prefix = KVState(own.keys[:, :, s:p], own.values[:, :, s:p], start=s)
@@ -123,7 +160,8 @@ def _collect(producer: LoadedModel, consumer: LoadedModel, space: CodeSpace, cor
         feeds.append(window[p:])
         teachers.append(logits[p:length].half())
     return _DistillData(torch.stack(xhats), torch.stack(sink_k), torch.stack(sink_v), torch.stack(feeds),
-                        torch.stack(teachers), (shift / len(windows)).float())
+                        torch.stack(teachers), (shift / len(windows)).float(),
+                        torch.stack(hiddens) if hiddens else None)
 
 
 def _build_cache(model, features: torch.Tensor, sink_k: torch.Tensor, sink_v: torch.Tensor, layout: KVLayout,
@@ -140,17 +178,46 @@ def _build_cache(model, features: torch.Tensor, sink_k: torch.Tensor, sink_v: to
     return cache
 
 
+def _apply_patches(y: torch.Tensor, patches: list[PatchAligner], hidden: torch.Tensor | None,
+                   hidden_layers: tuple[int, ...]) -> torch.Tensor:
+    """``y`` ``[B, T, G, C]`` with the patch layers' K / V groups replaced by the aligners' output."""
+    if not patches:
+        return y
+    groups = list(y.unbind(2))
+    for patch in patches:
+        layer = patch.layer
+        if patch.source == "hidden":
+            x = hidden[:, :, hidden_layers.index(layer)]
+        else:
+            x = torch.cat([groups[2 * layer], groups[2 * layer + 1]], dim=-1)
+        groups[2 * layer], groups[2 * layer + 1] = patch(x)
+    return torch.stack(groups, dim=2)
+
+
 def distil_decoder(producer: LoadedModel, consumer: LoadedModel, space: CodeSpace, corpus: str,
-                   config: CalibrationConfig, progress: bool = True) -> tuple[PairDecoder, dict]:
-    """Train ``consumer``'s decoder for ``space`` end to end; returns it with training stats."""
+                   config: CalibrationConfig, progress: bool = True, patch_layers: tuple[int, ...] = ()
+                   ) -> tuple[PairDecoder, dict]:
+    """Train ``consumer``'s decoder for ``space`` end to end; returns it with training stats.
+
+    A PATCH space's patch layers always get "hidden" aligners; ``patch_layers`` adds "kv" aligners
+    (payload-free) at those layers of a REUSE space."""
     start_time = time.perf_counter()
     data = _collect(producer, consumer, space, corpus, config, progress)
     collect_seconds = time.perf_counter() - start_time
     g, c = space.layout.groups, space.layout.width
     weight = torch.zeros(g, c, c, requires_grad=True)
     bias = data.mean_shift.clone().requires_grad_(True)
-    optimizer = torch.optim.Adam([{"params": [weight], "lr": config.lr_weight},
-                                  {"params": [bias], "lr": config.lr_bias}])
+    layers = consumer.model.model.layers
+    patches = [PatchAligner.initial(layer, "hidden", layers[layer].self_attn, config.patch_units, config.seed)
+               for layer in space.patch_layers]
+    patches += [PatchAligner.initial(layer, "kv", layers[layer].self_attn, config.patch_units, config.seed)
+                for layer in patch_layers if layer not in space.patch_layers]
+    patch_params = [t.requires_grad_(True) for patch in patches for t in patch.trainable()]
+    groups = [{"params": [weight], "lr": config.lr_weight}, {"params": [bias], "lr": config.lr_bias}]
+    if patch_params:
+        groups.append({"params": patch_params, "lr": config.lr_patch})
+    base_lrs = [group["lr"] for group in groups]
+    optimizer = torch.optim.Adam(groups)
     generator = torch.Generator().manual_seed(config.seed)
     for param in consumer.model.parameters():
         param.requires_grad_(False)
@@ -161,6 +228,8 @@ def distil_decoder(producer: LoadedModel, consumer: LoadedModel, space: CodeSpac
         idx = torch.randint(0, n, (config.batch_size,), generator=generator)
         xhat = data.xhat[idx].float()
         y = xhat + torch.einsum("btgc,gcd->btgd", xhat, weight) + bias
+        hidden = data.hidden[idx].float() if data.hidden is not None else None
+        y = _apply_patches(y, patches, hidden, space.patch_layers)
         cache = _build_cache(consumer.model, y, data.sink_keys[idx], data.sink_values[idx], space.layout,
                              config.sink_tokens)
         logits = consumer.model(input_ids=data.feed[idx], **{cache_kwarg(consumer.model): cache}, use_cache=True).logits
@@ -169,14 +238,17 @@ def distil_decoder(producer: LoadedModel, consumer: LoadedModel, space: CodeSpac
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         # cosine decay over the run keeps the last steps from jittering
-        for group, base in zip(optimizer.param_groups, (config.lr_weight, config.lr_bias), strict=True):
+        for group, base in zip(optimizer.param_groups, base_lrs, strict=True):
             group["lr"] = base * 0.5 * (1 + math.cos(math.pi * step / max(1, config.distill_steps)))
         optimizer.step()
         losses.append(float(loss.detach()))
         if step % 10 == 0:
             bar.set_postfix(kl=f"{sum(losses[-20:]) / len(losses[-20:]):.4f}")
+    for patch in patches:
+        for t in patch.trainable():
+            t.requires_grad_(False)
     decoder = PairDecoder(consumer.name, space.fingerprint, weight.detach().clone(), bias.detach().clone(),
-                          consumer.fingerprint)
+                          consumer.fingerprint, patches)
     stats = {
         "windows": n,
         "steps": config.distill_steps,

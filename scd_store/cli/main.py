@@ -71,7 +71,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     from scd_store.adapters.transformers.calibrate_cli import calibrate
 
     print(json.dumps(calibrate(args.producer, args.consumer, args.out, budget=args.budget, steps=args.steps,
-                               windows=args.windows, reuse_space=args.reuse_space), indent=2))
+                               windows=args.windows, reuse_space=args.reuse_space, patch_layers=args.patch_layers,
+                               patch_source=args.patch_source), indent=2))
     return 0
 
 
@@ -160,6 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--budget", type=float, default=0.25, help="coded payload against raw fp16 KV")
     cal.add_argument("--steps", type=int, default=None, help="distillation steps per consumer")
     cal.add_argument("--windows", type=int, default=None, help="distillation windows per consumer")
+    cal.add_argument("--patch-layers", type=int, default=0,
+                     help="k: layers the consumers regenerate from H_in (PATCH), chosen on calibration text")
+    cal.add_argument("--patch-source", choices=["hidden", "kv"], default="hidden",
+                     help="hidden: code H_in at patch layers; kv: aligners on the REUSE output (no extra payload)")
     cal.add_argument("--reuse-space", action="store_true",
                      help="keep the bundle's existing code space (stored codes stay valid); only add decoders")
     cal.set_defaults(func=_calibrate)

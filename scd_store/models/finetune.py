@@ -33,7 +33,7 @@ class FinetuneRecipe:
     full_lr: float = 3e-4
 
     def __post_init__(self) -> None:
-        if self.rank <= 0 or self.steps <= 0 or self.batch_size <= 0 or self.seq_len < 16:
+        if self.rank < 0 or (self.rank == 0 and not self.full) or self.steps <= 0 or self.batch_size <= 0 or self.seq_len < 16:
             raise ValueError(f"invalid fine-tune recipe: {self}")
         if not 0 < self.lr < 1 or not 0 < self.full_lr < 1:
             raise ValueError(f"learning rate out of range: {self.lr}, {self.full_lr}")
@@ -43,7 +43,7 @@ class FinetuneRecipe:
 
     @property
     def scale(self) -> float:
-        return self.alpha / self.rank
+        return self.alpha / self.rank if self.rank else 0.0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -68,11 +68,14 @@ def train_adapter(model, tokenizer, recipe: FinetuneRecipe, out: Path, metadata:
     torch.manual_seed(recipe.seed)
     stream = token_stream(tokenizer, recipe.corpus, "train")
     generator = torch.Generator().manual_seed(recipe.seed)
-    wrapped = lora.attach(model, recipe.rank, recipe.alpha, recipe.seed, full=recipe.full)
+    wrapped = lora.attach(model, recipe.rank, recipe.alpha, recipe.seed, full=recipe.full) if recipe.rank else {}
+    if not recipe.rank:
+        for param in model.parameters():
+            param.requires_grad_(False)
     model.to(device)
     full = lora.unfreeze_full(model, recipe.full)
     low_rank = [p for layer in wrapped.values() for p in (layer.lora_a, layer.lora_b)]
-    groups = [{"params": low_rank, "lr": recipe.lr}]
+    groups = [{"params": low_rank, "lr": recipe.lr}] if low_rank else []
     if full:
         groups.append({"params": [p for p, _ in full.values()], "lr": recipe.full_lr})
     params = [p for group in groups for p in group["params"]]
