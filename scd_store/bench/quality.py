@@ -100,6 +100,7 @@ def run_quality(config: QualityConfig, progress: bool = True) -> QualityReport:
     for name, bundle in zip(config.scd_method_names(), config.bundles, strict=True):
         codecs[name] = load_scd_codec(Path(bundle), producer, consumer)
     residual_layers: list[int] = []
+    hidden_layers = sorted({layer for name in config.scd_method_names() for layer in codecs[name].space.patch_layers})
     if DROIDSPEAK in config.methods:
         calib = eval_windows(consumer.tokenizer, spec.corpus, config.selection_windows, length - 1, config.seed,
                              split="calib")
@@ -112,7 +113,8 @@ def run_quality(config: QualityConfig, progress: bool = True) -> QualityReport:
         prefix, feed, targets = window[:p], window[p:-1], window[p + 1 :]
         own_state, _ = prefill_capture(consumer.model, prefix)
         oracle_logits = continue_with_prefix(consumer.model, own_state, feed)
-        producer_state, _ = prefill_capture(producer.model, prefix, residual_layers=residual_layers)
+        producer_state, _ = prefill_capture(producer.model, prefix, hidden_layers=hidden_layers,
+                                            residual_layers=residual_layers)
         for name in methods:
             if name == "oracle":
                 logits, nbytes = oracle_logits, 0

@@ -33,7 +33,9 @@ class FinetuneRecipe:
     full_lr: float = 3e-4
 
     def __post_init__(self) -> None:
-        if self.rank < 0 or (self.rank == 0 and not self.full) or self.steps <= 0 or self.batch_size <= 0 or self.seq_len < 16:
+        if self.rank < 0 or (self.rank == 0 and not self.full):
+            raise ValueError(f"a recipe needs LoRA (rank > 0) or full-rank targets: {self}")
+        if self.steps <= 0 or self.batch_size <= 0 or self.seq_len < 16:
             raise ValueError(f"invalid fine-tune recipe: {self}")
         if not 0 < self.lr < 1 or not 0 < self.full_lr < 1:
             raise ValueError(f"learning rate out of range: {self.lr}, {self.full_lr}")
