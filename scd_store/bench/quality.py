@@ -137,7 +137,9 @@ def run_quality(config: QualityConfig, progress: bool = True) -> QualityReport:
         if name == DROIDSPEAK:
             extra = {"layers": [codecs[name].group.start, codecs[name].group.stop]}
         elif name in bundle_of:
-            extra = {"bundle": bundle_of[name]}
+            patches = codecs[name].decoder.patches
+            extra = {"bundle": bundle_of[name], "kind": "patch-" + patches[0].source if patches else "reuse",
+                     "patch_layers": [p.layer for p in patches]}
         report.methods.append({
             "name": name,
             "ppl": round(s.ppl, 4),
