@@ -31,6 +31,7 @@ class FinetuneRecipe:
     # modules trained at full rank instead of LoRA ("k_proj", "v_proj", ...; "norm" = every RMSNorm gain)
     full: tuple[str, ...] = ()
     full_lr: float = 3e-4
+    delta_format: str = "bf16"  # how full-rank deltas are stored: "bf16" or per-row "int8"
 
     def __post_init__(self) -> None:
         if self.rank < 0 or (self.rank == 0 and not self.full):
@@ -39,6 +40,8 @@ class FinetuneRecipe:
             raise ValueError(f"invalid fine-tune recipe: {self}")
         if not 0 < self.lr < 1 or not 0 < self.full_lr < 1:
             raise ValueError(f"learning rate out of range: {self.lr}, {self.full_lr}")
+        if self.delta_format not in lora.DELTA_FORMATS:
+            raise ValueError(f"delta_format must be one of {lora.DELTA_FORMATS}, got {self.delta_format!r}")
         unknown = set(self.full) - set(lora.TARGETS) - {"norm"}
         if unknown:
             raise ValueError(f"unknown full-rank targets {sorted(unknown)}; known: {', '.join(lora.TARGETS)}, norm")
@@ -108,7 +111,7 @@ def train_adapter(model, tokenizer, recipe: FinetuneRecipe, out: Path, metadata:
         bar.set_postfix(loss=f"{sum(losses[-10:]) / len(losses[-10:]):.3f}")
     model.eval()
     meta = dict(metadata, recipe=recipe.to_json(), final_loss=f"{sum(losses[-10:]) / len(losses[-10:]):.4f}")
-    lora.save_adapter(out, wrapped, meta, full)
+    lora.save_adapter(out, wrapped, meta, full, recipe.delta_format)
     return {
         "tokens": recipe.steps * recipe.batch_size * recipe.seq_len,
         "seconds": time.perf_counter() - start,

@@ -70,21 +70,40 @@ def unfreeze_full(model: nn.Module, full: tuple[str, ...]) -> dict[str, tuple[nn
     return chosen
 
 
-def adapter_state(wrapped: dict[str, LoRALinear],
-                  full: dict[str, tuple[nn.Parameter, torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
-    """The adapter's tensors in bf16: ``{layer}.lora_a`` / ``.lora_b`` and ``{param}.delta``."""
+DELTA_FORMATS = ("bf16", "int8")
+
+
+def quantize_rows(delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8 of a weight delta: ``(codes int8, scales fp32 [rows])``."""
+    rows = delta.float().reshape(delta.shape[0], -1)
+    scale = rows.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+    codes = torch.round(rows / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return codes.reshape(delta.shape).contiguous(), scale.contiguous()
+
+
+def adapter_state(wrapped: dict[str, LoRALinear], full: dict[str, tuple[nn.Parameter, torch.Tensor]] | None = None,
+                  delta_format: str = "bf16") -> dict[str, torch.Tensor]:
+    """The adapter's tensors: ``{layer}.lora_a`` / ``.lora_b`` in bf16 and, per full-rank parameter,
+    ``{param}.delta`` (bf16) or ``{param}.delta_int8`` + ``{param}.delta_scale`` (per-row int8;
+    1-D parameters such as norm gains always stay bf16)."""
+    if delta_format not in DELTA_FORMATS:
+        raise ValueError(f"delta format must be one of {DELTA_FORMATS}, got {delta_format!r}")
     state = {}
     for name, lora in wrapped.items():
         state[f"{name}.lora_a"] = lora.lora_a.detach().to(torch.bfloat16).contiguous()
         state[f"{name}.lora_b"] = lora.lora_b.detach().to(torch.bfloat16).contiguous()
     for name, (param, initial) in (full or {}).items():
-        state[f"{name}.delta"] = (param.detach() - initial).to(torch.bfloat16).contiguous()
+        delta = (param.detach() - initial).cpu()
+        if delta_format == "int8" and delta.dim() >= 2:
+            state[f"{name}.delta_int8"], state[f"{name}.delta_scale"] = quantize_rows(delta)
+        else:
+            state[f"{name}.delta"] = delta.to(torch.bfloat16).contiguous()
     return state
 
 
 def save_adapter(path: Path, wrapped: dict[str, LoRALinear], metadata: dict[str, str],
-                 full: dict[str, tuple[nn.Parameter, torch.Tensor]] | None = None) -> None:
-    save_file(adapter_state(wrapped, full), str(path), metadata=metadata)
+                 full: dict[str, tuple[nn.Parameter, torch.Tensor]] | None = None, delta_format: str = "bf16") -> None:
+    save_file(adapter_state(wrapped, full, delta_format), str(path), metadata=metadata)
 
 
 @torch.no_grad()
@@ -96,8 +115,11 @@ def merge_adapter(model: nn.Module, path: Path, scale: float) -> int:
     params = dict(model.named_parameters())
     merged = 0
     for key, tensor in tensors.items():
-        if key.endswith(".delta"):
-            name = key.removesuffix(".delta")
+        if key.endswith((".delta", ".delta_int8")):
+            name = key.removesuffix(".delta_int8").removesuffix(".delta")
+            if key.endswith("_int8"):
+                scale = tensors[f"{name}.delta_scale"]
+                tensor = tensor.float() * scale.reshape(-1, *([1] * (tensor.dim() - 1)))
             if name not in params or params[name].shape != tensor.shape:
                 raise ValueError(f"adapter delta {name!r} has no matching parameter in the model")
             params[name] += tensor.to(params[name].dtype)

@@ -62,3 +62,23 @@ def test_unknown_full_rank_target_is_refused():
 
     with pytest.raises(ValueError, match="full-rank targets"):
         FinetuneRecipe(corpus="python", full=("q_porj",))
+
+
+def test_int8_deltas_round_trip_within_a_step_per_row(tmp_path):
+    model = tiny_llama(seed=0)
+    lora.attach(model, rank=2, alpha=4.0, seed=0, full=("k_proj", "norm"))
+    full = lora.unfreeze_full(model, ("k_proj", "norm"))
+    with torch.no_grad():
+        for param, initial in full.values():
+            param.copy_(initial + torch.randn_like(param) * 0.05)
+    state = lora.adapter_state({}, full, delta_format="int8")
+    assert any(k.endswith(".delta_int8") for k in state) and any(k.endswith("norm.weight.delta") for k in state)
+    path = tmp_path / "a.safetensors"
+    lora.save_adapter(path, {}, {"note": "int8"}, full, delta_format="int8")
+    merged = tiny_llama(seed=0)
+    lora.merge_adapter(merged, path, scale=1.0)
+    params = dict(merged.named_parameters())
+    for name, (param, initial) in full.items():
+        if param.dim() == 2:
+            step = (param - initial).abs().amax(dim=1, keepdim=True) / 127
+            assert ((params[name] - param).abs() <= step * 0.51 + 1e-6).all()
