@@ -22,8 +22,10 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
 
 @torch.no_grad()
 def prefill_capture(model: torch.nn.Module, input_ids: torch.Tensor, hidden_layers: Iterable[int] = (),
-                    residual_layers: Iterable[int] = ()) -> tuple[KVState, torch.Tensor]:
-    """Run the prefix ``input_ids`` (1-D) through ``model``; return its state and the logits ``[T, V]``.
+                    residual_layers: Iterable[int] = (), last_logits_only: bool = False
+                    ) -> tuple[KVState, torch.Tensor]:
+    """Run the prefix ``input_ids`` (1-D) through ``model``; return its state and the logits ``[T, V]``
+    (``[1, V]`` for the last token only with ``last_logits_only``, as a serving prefill computes).
 
     ``H_in`` of layer ``i`` is the output of that layer's ``input_layernorm``, captured by a forward
     hook; the residual stream entering layer ``i`` by a forward pre-hook (no model code is copied).
@@ -49,7 +51,8 @@ def prefill_capture(model: torch.nn.Module, input_ids: torch.Tensor, hidden_laye
     cache = DynamicCache(config=model.config)
     device = next(model.parameters()).device
     try:
-        out = model(input_ids=input_ids.to(device)[None], **{cache_kwarg(model): cache}, use_cache=True)
+        extra = {"logits_to_keep": 1} if last_logits_only else {}
+        out = model(input_ids=input_ids.to(device)[None], **{cache_kwarg(model): cache}, use_cache=True, **extra)
     finally:
         for handle in handles:
             handle.remove()

@@ -89,9 +89,12 @@ def run_decode_bench(config: DecodeBenchConfig, codec: ScdCodec | None = None,
             bench_codec = ScdCodec(space, PairDecoder.identity(space, "bench"))
         else:
             bench_codec = codec
-        state, _ = prefill_capture(model, ids)
-        payload = bench_codec.encode(state)
-        prefill_s = _timed(lambda ids=ids: prefill_capture(model, ids), config.repeats, config.device)
+        # speed does not depend on whose KV is coded: the timed model's own state stands in for the producer's
+        state, _ = prefill_capture(model, ids, hidden_layers=bench_codec.space.patch_layers)
+        payload = bench_codec.encode(state.to(dtype=torch.float32))
+        # the consumer's own prefill as a server runs it: logits for the last token only
+        prefill_s = _timed(lambda ids=ids: prefill_capture(model, ids, last_logits_only=True), config.repeats,
+                           config.device)
         decode_s = _timed(lambda p=payload, c=bench_codec: c.decode(p, device=config.device, dtype=dtype),
                           config.repeats, config.device)
         encode_s = _timed(lambda s=state, c=bench_codec: c.encode(s), config.repeats, config.device)

@@ -79,11 +79,22 @@ def _calibrate(args: argparse.Namespace) -> int:
 def _bench_decode(args: argparse.Namespace) -> int:
     import json
 
+    import torch
+
     from scd_store.bench.decode import DecodeBenchConfig, run_decode_bench
 
     config = DecodeBenchConfig(prefix_tokens=tuple(args.prefix_tokens), budget=args.budget, repeats=args.repeats,
                                device=args.device, dtype=args.dtype)
-    report = json.dumps(run_decode_bench(config), indent=2)
+    codec = consumer = None
+    if args.bundle:
+        from scd_store.adapters.transformers import load_model
+        from scd_store.bench.quality import load_scd_codec
+        from scd_store.models import catalog
+
+        producer = load_model(catalog.PRODUCER, device=args.device)
+        loaded = load_model(args.consumer, device=args.device)
+        codec, consumer = load_scd_codec(args.bundle, producer, loaded), loaded.model.to(getattr(torch, args.dtype))
+    report = json.dumps(run_decode_bench(config, codec, consumer), indent=2)
     print(report)
     if args.json:
         args.json.write_text(report + "\n")
@@ -152,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--device", default="cpu")
     decode.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     decode.add_argument("--json", type=Path)
+    decode.add_argument("--bundle", type=Path, help="time a real calibrated pair (default: random-init model)")
+    decode.add_argument("--consumer", default="smollm2-135m-shakespeare", help="the consumer of --bundle")
     decode.set_defaults(func=_bench_decode)
 
     cal = sub.add_parser("calibrate", help="fit a code space and distil consumer decoders into a bundle")
