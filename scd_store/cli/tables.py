@@ -16,6 +16,11 @@ def print_quality(report: QualityReport) -> None:
     for column in ("method", "ppl", "ppl_rel", "kl (nats)", "top1", "bytes/token", "payload vs fp16"):
         table.add_column(column, justify="left" if column == "method" else "right")
     for m in report.methods:
-        table.add_row(m["name"], f"{m['ppl']:.3f}", f"{m['ppl_rel']:+.2%}", f"{m['kl']:.4f}", f"{m['top1']:.3f}",
+        name = m["name"]
+        if "layers" in m:
+            name += f" (layers {m['layers'][0]}-{m['layers'][1] - 1})"
+        if m.get("patch_layers"):
+            name += f" ({m['kind']} at {','.join(map(str, m['patch_layers']))})"
+        table.add_row(name, f"{m['ppl']:.3f}", f"{m['ppl_rel']:+.2%}", f"{m['kl']:.4f}", f"{m['top1']:.3f}",
                       f"{m['bytes_per_token']:.0f}", f"{m['payload_ratio']:.1%}")
     console.print(table)
