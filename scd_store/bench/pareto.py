@@ -20,6 +20,7 @@ def plot_pareto(reports: list[dict], path: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import PercentFormatter
 
     fig, axes = plt.subplots(1, len(reports), figsize=(6 * len(reports), 4.5), squeeze=False)
     for ax, report in zip(axes[0], reports, strict=True):
@@ -35,6 +36,8 @@ def plot_pareto(reports: list[dict], path: Path) -> Path:
         if frontier:
             ax.step(*zip(*frontier, strict=True), where="post", color="grey", linewidth=0.8, linestyle="--")
         ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
+        ax.xaxis.set_minor_formatter(PercentFormatter(1.0, decimals=0))
         ax.set_xlabel("payload / raw fp16 KV")
         ax.set_ylabel("continuation PPL vs consumer's own prefill (%)")
         ax.set_title(f"{report['consumer']} ({report['windows']} windows, {report['prefix_tokens']} cached tokens)",
