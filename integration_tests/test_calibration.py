@@ -74,3 +74,26 @@ def test_small_patch_calibrations(producer, shakespeare, tmp_path):
     kv_decoder, _ = distil_decoder(producer, shakespeare, kv_space, "shakespeare", config, progress=False,
                                    patch_layers=layers)
     assert [p.source for p in kv_decoder.patches] == ["kv", "kv"]
+
+
+def test_calibrate_sweep_writes_one_bundle_per_combination(producer, shakespeare, tmp_path):
+    from scd_store.adapters.transformers.calibrate_cli import calibrate
+
+    small = CalibrationConfig(basis_windows=2, prefix_tokens=64, continuation_tokens=8, distill_windows=3,
+                              distill_steps=2, selection_windows=1, patch_units=8)
+    report = calibrate("smollm2-135m-instruct", ["smollm2-135m-shakespeare"], tmp_path, budget=[0.12, 0.25],
+                       patch_layers=[0, 2], base_config=small)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b0.12-k0", "b0.12-k2", "b0.25-k0", "b0.25-k2"]
+    ratios = {name: entry["payload_ratio"] for name, entry in report["bundles"].items()}
+    assert ratios[str(tmp_path / "b0.12-k0")] < ratios[str(tmp_path / "b0.25-k0")] < ratios[str(tmp_path / "b0.25-k2")]
+    ranking = report["patch_ranking"]["layers"]
+    for budget in ("0.12", "0.25"):
+        space = load_space(tmp_path / f"b{budget}-k2")
+        assert space.patch_layers == tuple(sorted(ranking))
+        codec = load_scd_codec(tmp_path / f"b{budget}-k2", producer, shakespeare)
+        assert [p.source for p in codec.decoder.patches] == ["hidden", "hidden"]
+    # a consumer added later to one of them keeps its space (stored codes stay valid)
+    before = load_space(tmp_path / "b0.25-k0").fingerprint
+    calibrate("smollm2-135m-instruct", ["smollm2-135m-shakespeare"], tmp_path / "b0.25-k0", budget=0.25,
+              reuse_space=True, base_config=small)
+    assert load_space(tmp_path / "b0.25-k0").fingerprint == before

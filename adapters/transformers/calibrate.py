@@ -88,39 +88,115 @@ def layout_of(model: torch.nn.Module) -> KVLayout:
     return KVLayout(config.num_hidden_layers, config.num_key_value_heads, head_dim, float(theta))
 
 
-def fit_space(producer: LoadedModel, corpora: list[str], config: CalibrationConfig, space_id: str,
-              progress: bool = True, patch_layers: tuple[int, ...] = ()) -> CodeSpace:
-    """PCA basis and bit allocation from the producer's KV on calibration windows of ``corpora``; with
-    ``patch_layers`` (and ``patch_source="hidden"``) also the basis of ``H_in`` at those layers."""
+@dataclass(slots=True)
+class SpaceStatistics:
+    """First and second moments of the producer's features (and ``H_in`` at some layers) on
+    calibration windows: every code space of a sweep (budgets, patch layers) is built from them."""
+
+    layout: KVLayout
+    mean: torch.Tensor  # [G, C] float64
+    cov: torch.Tensor  # [G, C, C]
+    hidden: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (mean [D], cov [D, D])
+    producer_fingerprint: str
+
+    def space(self, space_id: str, config: CalibrationConfig, patch_layers: tuple[int, ...] = ()) -> CodeSpace:
+        """The code space for ``config.budget`` (PATCH ``H_in`` codes at ``patch_layers``, which must be
+        among the layers the statistics hold)."""
+        hidden_stats = None
+        if patch_layers:
+            missing = [layer for layer in patch_layers if layer not in self.hidden]
+            if missing:
+                raise ValueError(f"no H_in statistics for patch layers {missing}")
+            hidden_stats = (tuple(patch_layers), torch.stack([self.hidden[i][0] for i in patch_layers]),
+                            torch.stack([self.hidden[i][1] for i in patch_layers]))
+        return CodeSpace.from_statistics(space_id, self.layout, self.mean, self.cov, config.budget, config.key_weight,
+                                         config.sink_tokens, self.producer_fingerprint, hidden_stats)
+
+
+@torch.no_grad()
+def space_statistics(producer: LoadedModel, corpora: list[str], config: CalibrationConfig,
+                     hidden_layers: tuple[int, ...] = (), progress: bool = True) -> SpaceStatistics:
+    """Moments of the producer's pre-RoPE K / V features (sink tokens excluded) and of ``H_in`` at
+    ``hidden_layers`` over calibration windows of ``corpora``."""
     layout = layout_of(producer.model)
     g, c = layout.groups, layout.width
     total = torch.zeros(g, c, dtype=torch.float64)
     outer = torch.zeros(g, c, c, dtype=torch.float64)
-    coded_hidden = patch_layers if config.patch_source == "hidden" else ()
     width = producer.model.config.hidden_size
-    h_total = torch.zeros(len(coded_hidden), width, dtype=torch.float64)
-    h_outer = torch.zeros(len(coded_hidden), width, width, dtype=torch.float64)
+    h_total = torch.zeros(len(hidden_layers), width, dtype=torch.float64)
+    h_outer = torch.zeros(len(hidden_layers), width, width, dtype=torch.float64)
     count = 0
     windows = [w for corpus in corpora for w in calibration_windows(
         producer.tokenizer, corpus, config.basis_windows, config.prefix_tokens, config.seed, config.splits)]
     for window in tqdm(windows, desc="code space: producer KV", unit="window", disable=not progress):
-        state, _ = prefill_capture(producer.model, window, hidden_layers=coded_hidden)
+        state, _ = prefill_capture(producer.model, window, hidden_layers=hidden_layers)
         x = to_features(state, layout)[config.sink_tokens:].double().transpose(0, 1)  # [G, T, C]
         total += x.sum(1)
         outer += x.transpose(1, 2) @ x
         count += x.shape[1]
-        if coded_hidden:
-            h = torch.stack([state.hidden[layer][config.sink_tokens:] for layer in coded_hidden]).double()
+        if hidden_layers:
+            h = torch.stack([state.hidden[layer][config.sink_tokens:] for layer in hidden_layers]).double()
             h_total += h.sum(1)
             h_outer += h.transpose(1, 2) @ h
     mean = total / count
     cov = outer / count - mean.unsqueeze(2) * mean.unsqueeze(1)
-    hidden_stats = None
-    if coded_hidden:
-        h_mean = h_total / count
-        hidden_stats = (coded_hidden, h_mean, h_outer / count - h_mean.unsqueeze(2) * h_mean.unsqueeze(1))
-    return CodeSpace.from_statistics(space_id, layout, mean, cov, config.budget, config.key_weight,
-                                     config.sink_tokens, producer.fingerprint, hidden_stats)
+    h_mean = h_total / count
+    h_cov = h_outer / count - h_mean.unsqueeze(2) * h_mean.unsqueeze(1)
+    hidden = {layer: (h_mean[i], h_cov[i]) for i, layer in enumerate(hidden_layers)}
+    return SpaceStatistics(layout, mean, cov, hidden, producer.fingerprint)
+
+
+def fit_space(producer: LoadedModel, corpora: list[str], config: CalibrationConfig, space_id: str,
+              progress: bool = True, patch_layers: tuple[int, ...] = ()) -> CodeSpace:
+    """PCA basis and bit allocation from the producer's KV on calibration windows of ``corpora``; with
+    ``patch_layers`` (and ``patch_source="hidden"``) also the basis of ``H_in`` at those layers."""
+    coded_hidden = tuple(patch_layers) if config.patch_source == "hidden" else ()
+    stats = space_statistics(producer, corpora, config, coded_hidden, progress)
+    return stats.space(space_id, config, coded_hidden)
+
+
+@dataclass(slots=True)
+class TeacherData:
+    """What distillation needs from the models, independent of the code space: per calibration
+    window the producer's prefix state, the continuation and the consumer's own logits on it."""
+
+    keys: torch.Tensor  # [N, L, H, prefix, D] fp16: the producer's prefix KV
+    values: torch.Tensor
+    hidden: dict[int, torch.Tensor]  # layer -> [N, prefix, D] fp16: the producer's H_in
+    feed: torch.Tensor  # [N, continuation] token ids
+    teacher: torch.Tensor  # [N, continuation, V] fp16 logits of the consumer on its own prefill
+    own_mean: torch.Tensor  # [G, C] float64: mean of the consumer's own prefix features (past the sinks)
+
+    @property
+    def windows(self) -> int:
+        return self.keys.shape[0]
+
+
+@torch.no_grad()
+def collect_teacher(producer: LoadedModel, consumer: LoadedModel, corpus: str, config: CalibrationConfig,
+                    hidden_layers: tuple[int, ...] = (), progress: bool = True) -> TeacherData:
+    """Run both models over the distillation windows once (shared by every space of a sweep)."""
+    p, s = config.prefix_tokens, config.sink_tokens
+    length = p + config.continuation_tokens
+    layout = layout_of(producer.model)
+    windows = calibration_windows(consumer.tokenizer, corpus, config.distill_windows, length, config.seed + 1,
+                                  config.splits)
+    keys, values, feeds, teachers = [], [], [], []
+    hidden: dict[int, list[torch.Tensor]] = {layer: [] for layer in hidden_layers}
+    own_total = torch.zeros(layout.groups, layout.width, dtype=torch.float64)
+    for window in tqdm(windows, desc=f"distil {consumer.name}: teacher", unit="window", disable=not progress):
+        produced, _ = prefill_capture(producer.model, window[:p], hidden_layers=hidden_layers)
+        own, logits = prefill_capture(consumer.model, window)
+        own_prefix = KVState(own.keys[:, :, s:p], own.values[:, :, s:p], start=s)
+        own_total += to_features(own_prefix, layout).double().mean(0)
+        keys.append(produced.keys.half())
+        values.append(produced.values.half())
+        for layer in hidden_layers:
+            hidden[layer].append(produced.hidden[layer].half())
+        feeds.append(window[p:])
+        teachers.append(logits[p:length].half())
+    return TeacherData(torch.stack(keys), torch.stack(values), {k: torch.stack(v) for k, v in hidden.items()},
+                       torch.stack(feeds), torch.stack(teachers), own_total / len(windows))
 
 
 @dataclass(slots=True)
@@ -135,32 +211,26 @@ class _DistillData:
 
 
 @torch.no_grad()
-def _collect(producer: LoadedModel, consumer: LoadedModel, space: CodeSpace, corpus: str, config: CalibrationConfig,
-             progress: bool) -> _DistillData:
-    p, s = config.prefix_tokens, config.sink_tokens
-    length = p + config.continuation_tokens
-    windows = calibration_windows(consumer.tokenizer, corpus, config.distill_windows, length, config.seed + 1,
-                                  config.splits)
-    xhats, sink_k, sink_v, feeds, teachers, hiddens = [], [], [], [], [], []
-    shift = torch.zeros(space.layout.groups, space.layout.width, dtype=torch.float64)
+def _through_space(space: CodeSpace, teacher: TeacherData, sinks: int) -> _DistillData:
+    """The teacher's producer states encoded and decoded by ``space`` (what the consumer will see)."""
+    missing = [layer for layer in space.patch_layers if layer not in teacher.hidden]
+    if missing:
+        raise ValueError(f"teacher data has no H_in at patch layers {missing}")
     basis_t = space.basis.transpose(1, 2)
-    for window in tqdm(windows, desc=f"distil {consumer.name}: teacher", unit="window", disable=not progress):
-        produced, _ = prefill_capture(producer.model, window[:p], hidden_layers=space.patch_layers)
+    xhats, hiddens = [], []
+    xhat_total = torch.zeros(space.layout.groups, space.layout.width, dtype=torch.float64)
+    for i in range(teacher.windows):
+        produced = KVState(teacher.keys[i].float(), teacher.values[i].float(),
+                           {layer: h[i].float() for layer, h in teacher.hidden.items() if layer in space.patch_layers})
         codes = space.unpack(space.encode(produced))
-        zhat = space.reconstruct(codes.codes)
+        xhat = torch.bmm(space.reconstruct(codes.codes).transpose(0, 1), basis_t).transpose(0, 1) + space.mean
+        xhat_total += xhat.double().mean(0)
+        xhats.append(xhat.half())
         if space.hidden is not None:
             hiddens.append(space.hidden.reconstruct(codes.hidden_codes).half())
-        xhat = torch.bmm(zhat.transpose(0, 1), basis_t).transpose(0, 1) + space.mean  # [T - s, G, C]
-        own, logits = prefill_capture(consumer.model, window)
-        own_prefix = KVState(own.keys[:, :, s:p], own.values[:, :, s:p], start=s)
-        shift += (to_features(own_prefix, space.layout) - xhat).double().mean(0)
-        xhats.append(xhat.half())
-        sink_k.append(produced.keys[:, :, :s])
-        sink_v.append(produced.values[:, :, :s])
-        feeds.append(window[p:])
-        teachers.append(logits[p:length].half())
-    return _DistillData(torch.stack(xhats), torch.stack(sink_k), torch.stack(sink_v), torch.stack(feeds),
-                        torch.stack(teachers), (shift / len(windows)).float(),
+    shift = (teacher.own_mean - xhat_total / teacher.windows).float()
+    return _DistillData(torch.stack(xhats), teacher.keys[:, :, :, :sinks].float(),
+                        teacher.values[:, :, :, :sinks].float(), teacher.feed, teacher.teacher, shift,
                         torch.stack(hiddens) if hiddens else None)
 
 
@@ -195,14 +265,17 @@ def _apply_patches(y: torch.Tensor, patches: list[PatchAligner], hidden: torch.T
 
 
 def distil_decoder(producer: LoadedModel, consumer: LoadedModel, space: CodeSpace, corpus: str,
-                   config: CalibrationConfig, progress: bool = True, patch_layers: tuple[int, ...] = ()
-                   ) -> tuple[PairDecoder, dict]:
+                   config: CalibrationConfig, progress: bool = True, patch_layers: tuple[int, ...] = (),
+                   teacher: TeacherData | None = None) -> tuple[PairDecoder, dict]:
     """Train ``consumer``'s decoder for ``space`` end to end; returns it with training stats.
 
     A PATCH space's patch layers always get "hidden" aligners; ``patch_layers`` adds "kv" aligners
-    (payload-free) at those layers of a REUSE space."""
+    (payload-free) at those layers of a REUSE space. ``teacher`` (from :func:`collect_teacher`)
+    is reused when given, so a sweep runs the models over the windows once."""
     start_time = time.perf_counter()
-    data = _collect(producer, consumer, space, corpus, config, progress)
+    if teacher is None:
+        teacher = collect_teacher(producer, consumer, corpus, config, space.patch_layers, progress)
+    data = _through_space(space, teacher, config.sink_tokens)
     collect_seconds = time.perf_counter() - start_time
     g, c = space.layout.groups, space.layout.width
     weight = torch.zeros(g, c, c, requires_grad=True)

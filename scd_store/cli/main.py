@@ -70,9 +70,9 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     from scd_store.adapters.transformers.calibrate_cli import calibrate
 
-    print(json.dumps(calibrate(args.producer, args.consumer, args.out, budget=args.budget, steps=args.steps,
-                               windows=args.windows, reuse_space=args.reuse_space, patch_layers=args.patch_layers,
-                               patch_source=args.patch_source), indent=2))
+    print(json.dumps(calibrate(args.producer, args.consumer, args.out, budget=args.budget or [0.25],
+                               steps=args.steps, windows=args.windows, reuse_space=args.reuse_space,
+                               patch_layers=args.patch_layers or [0], patch_source=args.patch_source), indent=2))
     return 0
 
 
@@ -171,11 +171,13 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--producer", default="smollm2-135m-instruct")
     cal.add_argument("--consumer", action="append", required=True, help="repeat for a shared code space")
     cal.add_argument("--out", type=Path, required=True, help="bundle directory")
-    cal.add_argument("--budget", type=float, default=0.25, help="coded payload against raw fp16 KV")
+    cal.add_argument("--budget", type=float, action="append",
+                     help="coded bits per dimension against fp16 (default 0.25); repeat for a sweep")
     cal.add_argument("--steps", type=int, default=None, help="distillation steps per consumer")
     cal.add_argument("--windows", type=int, default=None, help="distillation windows per consumer")
-    cal.add_argument("--patch-layers", type=int, default=0,
-                     help="k: layers the consumers regenerate from H_in (PATCH), chosen on calibration text")
+    cal.add_argument("--patch-layers", type=int, action="append",
+                     help="k: layers the consumers regenerate (PATCH), chosen on calibration text (default 0); "
+                          "repeat for a sweep (bundles OUT/b<budget>-k<k>)")
     cal.add_argument("--patch-source", choices=["hidden", "kv"], default="hidden",
                      help="hidden: code H_in at patch layers; kv: aligners on the REUSE output (no extra payload)")
     cal.add_argument("--reuse-space", action="store_true",
