@@ -70,7 +70,8 @@ def test_cli_writes_the_quality_json(tmp_path):
     subprocess.run(cmd, check=True, capture_output=True, timeout=600)
     data = json.loads(out.read_text())
     assert set(data) >= {"producer", "consumer", "prefix_tokens", "continuation_tokens", "windows", "methods"}
-    assert {m["name"] for m in data["methods"]} == {"oracle", "none", "raw", "int8", "int4"}
+    assert {m["name"] for m in data["methods"]} == {"oracle", "raw", "int8", "int4"}  # --methods; oracle always
+    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
     for m in data["methods"]:
         assert set(m) == {"name", "ppl", "ppl_rel", "kl", "top1", "bytes_per_token", "payload_ratio"}
 
