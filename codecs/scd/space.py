@@ -63,8 +63,8 @@ class CodeSpace:
                 raise ValueError(f"patch layers {self.hidden.layers} outside the model's {self.layout.num_layers}")
             if any(int(self.bits[2 * layer : 2 * layer + 2].sum()) for layer in self.hidden.layers):
                 raise ValueError("K / V groups of patch layers must carry no bits (the consumer regenerates them)")
-        self._fingerprint = tensors_fingerprint(self.tensors(), extra=f"{self.layout}|{self.sink_tokens}"
-                                                f"|{self.patch_layers}")
+        extra = f"{self.layout}|{self.sink_tokens}" + (f"|{self.patch_layers}" if self.patch_layers else "")
+        self._fingerprint = tensors_fingerprint(self.tensors(), extra=extra)  # REUSE spaces keep their old ids
 
     @classmethod
     def from_statistics(cls, space_id: str, layout: KVLayout, mean: torch.Tensor, cov: torch.Tensor, budget: float,
