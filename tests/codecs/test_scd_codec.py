@@ -133,3 +133,12 @@ def test_folded_decode_equals_the_unfolded_maths():
     out = ScdCodec(space, decoder).decode(payload)
     torch.testing.assert_close(out.keys, expected.keys, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(out.values, expected.values, atol=1e-4, rtol=1e-4)
+
+
+def test_reuse_space_fingerprint_is_stable():
+    # stored codes are bound to the space fingerprint: a code change must not silently re-key spaces
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 6, 8, generator=g).double()
+    cov = torch.einsum("gtc,gtd->gcd", x, x) / 6
+    space = CodeSpace.from_statistics("golden", KVLayout(2, 2, 4, 1e4), x.mean(1), cov, 0.25, sink_tokens=4)
+    assert space.fingerprint == "d934d677fc97dfc98524fffac49382d9"
