@@ -27,6 +27,17 @@ class SpaceCodes:
     hidden_codes: torch.Tensor | None = None  # [T - sinks, patch layers * hidden size], PATCH spaces only
 
 
+def _section(tensors: dict[str, torch.Tensor], name: str, coded: int, bits: torch.Tensor, device
+             ) -> torch.Tensor:
+    """Unpacked codes ``[coded, n]`` of one packed payload section, its size checked first."""
+    if not coded:
+        return torch.zeros(0, bits.numel(), dtype=torch.uint8, device=device)
+    packed = tensors[name].to(device)
+    if packed.numel() != packed_size(coded, bits):
+        raise PayloadError(f"payload section {name} has the wrong size")
+    return unpack_codes(packed, coded, bits)
+
+
 @dataclass(slots=True)
 class CodeSpace:
     """A producer's calibrated basis: per group (layer x K/V) a mean, an orthonormal basis
@@ -157,24 +168,10 @@ class CodeSpace:
             coded = tokens - sinks
             if start < 0 or coded < 0 or sinks != max(0, min(self.sink_tokens - start, tokens)):
                 raise PayloadError("payload token counts are inconsistent")
-            flat_bits = self.bits.flatten()
-            if coded:
-                packed = t["codes"].to(device)
-                if packed.numel() != packed_size(coded, flat_bits):
-                    raise PayloadError("payload code section has the wrong size")
-                codes = unpack_codes(packed, coded, flat_bits)
-            else:
-                codes = torch.zeros(0, flat_bits.numel(), dtype=torch.uint8, device=device)
+            codes = _section(t, "codes", coded, self.bits.flatten(), device)
             hidden_codes = None
             if self.hidden is not None:
-                hidden_bits = self.hidden.bits.flatten()
-                if coded:
-                    packed = t["hidden_codes"].to(device)
-                    if packed.numel() != packed_size(coded, hidden_bits):
-                        raise PayloadError("payload hidden-code section has the wrong size")
-                    hidden_codes = unpack_codes(packed, coded, hidden_bits)
-                else:
-                    hidden_codes = torch.zeros(0, hidden_bits.numel(), dtype=torch.uint8, device=device)
+                hidden_codes = _section(t, "hidden_codes", coded, self.hidden.bits.flatten(), device)
             sink_state = None
             if sinks:
                 sink_state = KVState(t["sink_keys"].to(device), t["sink_values"].to(device), start=start)
