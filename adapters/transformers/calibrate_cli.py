@@ -19,7 +19,7 @@ from scd_store.adapters.transformers.calibrate import (
     space_statistics,
 )
 from scd_store.adapters.transformers.loading import LoadedModel, load_model
-from scd_store.adapters.transformers.patch_select import choose_patch_layers, layer_gains
+from scd_store.adapters.transformers.patch_select import layer_gains, rank_layers
 from scd_store.codecs.scd.bundle import load_space, save_pair, save_space
 from scd_store.models import catalog
 
@@ -33,9 +33,7 @@ def layer_ranking(producer: LoadedModel, consumers: list[LoadedModel], config: C
         windows = calibration_windows(consumer.tokenizer, spec.corpus, config.selection_windows,
                                       config.prefix_tokens + config.continuation_tokens, config.seed + 2, config.splits)
         gains.append(layer_gains(producer.model, consumer.model, windows, config.prefix_tokens, progress=True))
-    chosen = set(choose_patch_layers(gains, k))
-    total = [sum(col) for col in zip(*gains, strict=True)]
-    return tuple(sorted(chosen, key=lambda i: -total[i])), gains
+    return rank_layers(gains, k), gains
 
 
 def bundle_dir(out: Path, budget: float, k: int, source: str, sweep: bool) -> Path:

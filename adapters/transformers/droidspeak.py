@@ -13,13 +13,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
 from scd_store.adapters.transformers.capture import decoder_layers, prefill_capture
 from scd_store.adapters.transformers.compat import cache_kwarg
-from scd_store.adapters.transformers.inject import continue_with_prefix
+from scd_store.adapters.transformers.inject import continue_with_prefix, mean_kl
 from scd_store.codecs.base import Codec
 from scd_store.codecs.kv_state import KVState
 from scd_store.codecs.tensor_pack import PayloadError, pack, unpack
@@ -120,12 +119,6 @@ class DroidSpeakCodec(Codec):
         return KVState(keys, values, start=start)
 
 
-def _mean_kl(logits: torch.Tensor, oracle: torch.Tensor) -> float:
-    """Mean over positions of KL(oracle || logits), in nats."""
-    return float(F.kl_div(F.log_softmax(logits.float(), -1), F.log_softmax(oracle.float(), -1), log_target=True,
-                          reduction="none").sum(-1).mean())
-
-
 @torch.no_grad()
 def select_group(producer: nn.Module, consumer: nn.Module, windows: Sequence[torch.Tensor], prefix_tokens: int,
                  size: int, stride: int = 1) -> tuple[LayerGroup, dict[int, float]]:
@@ -149,6 +142,6 @@ def select_group(producer: nn.Module, consumer: nn.Module, windows: Sequence[tor
             keys, values = produced.keys.clone(), produced.values.clone()
             keys[a:a + size], values[a:a + size] = recompute_group(consumer, produced.residual[a], group)
             logits = continue_with_prefix(consumer, KVState(keys, values), feed)
-            kl[a] += _mean_kl(logits, oracle) / len(windows)
+            kl[a] += mean_kl(logits, oracle) / len(windows)
     best = min(kl, key=kl.get)
     return LayerGroup(best, best + size), kl

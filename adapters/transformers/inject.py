@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
 
 from scd_store.adapters.transformers.compat import cache_kwarg
@@ -60,3 +61,9 @@ def generate_greedy(model: torch.nn.Module, state: KVState | None, input_ids: to
             break
         logits = model(input_ids=torch.tensor([[token]], device=device), **kwargs).logits[0, -1]
     return generated
+
+
+def mean_kl(logits: torch.Tensor, oracle: torch.Tensor) -> float:
+    """Mean over positions of KL(oracle || logits), in nats (both ``[T, V]``)."""
+    return float(F.kl_div(F.log_softmax(logits.float(), -1), F.log_softmax(oracle.float(), -1), log_target=True,
+                          reduction="none").sum(-1).mean())
