@@ -27,7 +27,7 @@ from scd_store.bench.windows import eval_windows
 from scd_store.codecs.kv_state import KVState
 from scd_store.codecs.scd.decoder import PairDecoder
 from scd_store.codecs.scd.layout import KVLayout, to_features
-from scd_store.codecs.scd.patch import SOURCES, PatchAligner
+from scd_store.codecs.scd.patch import SOURCES, PatchAligner, apply_patches
 from scd_store.codecs.scd.rope import apply_rope, rope_cos_sin
 from scd_store.codecs.scd.space import CodeSpace
 
@@ -248,22 +248,6 @@ def _build_cache(model, features: torch.Tensor, sink_k: torch.Tensor, sink_v: to
     return cache
 
 
-def _apply_patches(y: torch.Tensor, patches: list[PatchAligner], hidden: torch.Tensor | None,
-                   hidden_layers: tuple[int, ...]) -> torch.Tensor:
-    """``y`` ``[B, T, G, C]`` with the patch layers' K / V groups replaced by the aligners' output."""
-    if not patches:
-        return y
-    groups = list(y.unbind(2))
-    for patch in patches:
-        layer = patch.layer
-        if patch.source == "hidden":
-            x = hidden[:, :, hidden_layers.index(layer)]
-        else:
-            x = torch.cat([groups[2 * layer], groups[2 * layer + 1]], dim=-1)
-        groups[2 * layer], groups[2 * layer + 1] = patch(x)
-    return torch.stack(groups, dim=2)
-
-
 def distil_decoder(producer: LoadedModel, consumer: LoadedModel, space: CodeSpace, corpus: str,
                    config: CalibrationConfig, progress: bool = True, patch_layers: tuple[int, ...] = (),
                    teacher: TeacherData | None = None) -> tuple[PairDecoder, dict]:
@@ -302,7 +286,10 @@ def distil_decoder(producer: LoadedModel, consumer: LoadedModel, space: CodeSpac
         xhat = data.xhat[idx].float()
         y = xhat + torch.einsum("btgc,gcd->btgd", xhat, weight) + bias
         hidden = data.hidden[idx].float() if data.hidden is not None else None
-        y = _apply_patches(y, patches, hidden, space.patch_layers)
+        if patches:
+            groups = list(y.unbind(2))
+            apply_patches(groups, patches, hidden, space.patch_layers)
+            y = torch.stack(groups, dim=2)
         cache = _build_cache(consumer.model, y, data.sink_keys[idx], data.sink_values[idx], space.layout,
                              config.sink_tokens)
         logits = consumer.model(input_ids=data.feed[idx], **{cache_kwarg(consumer.model): cache}, use_cache=True).logits

@@ -8,6 +8,7 @@ from scd_store.codecs.base import Codec
 from scd_store.codecs.kv_state import KVState
 from scd_store.codecs.scd.decoder import PairDecoder
 from scd_store.codecs.scd.layout import write_token_major
+from scd_store.codecs.scd.patch import apply_patches
 from scd_store.codecs.scd.rope import RopeTable
 from scd_store.codecs.scd.space import CODEC_ID, CodeSpace
 
@@ -56,15 +57,12 @@ class ScdCodec(Codec):
         hidden = None
         if self.space.hidden is not None:
             hidden = self.space.hidden.reconstruct(codes.hidden_codes)  # [T, P, D]
+        groups = list(features.unbind(0))
         with torch.no_grad():
-            for patch in self._patches[key]:
-                layer = patch.layer
-                if patch.source == "hidden":
-                    x = hidden[:, self.space.hidden.layers.index(layer)]
-                else:
-                    x = torch.cat([features[2 * layer], features[2 * layer + 1]], dim=-1)
-                keys, values = patch(x)
-                features[2 * layer], features[2 * layer + 1] = keys, values
+            apply_patches(groups, self._patches[key], hidden, self.space.patch_layers)
+        for patch in self._patches[key]:
+            for group in (2 * patch.layer, 2 * patch.layer + 1):
+                features[group] = groups[group]
 
     def decode(self, payload: bytes, *, device="cpu", dtype=torch.float32) -> KVState:
         if self.decoder is None:

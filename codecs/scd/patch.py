@@ -83,3 +83,17 @@ class PatchAligner:
             return h @ self.k_proj.T + self.k_bias, h @ self.v_proj.T + self.v_bias
         width = self.k_proj.shape[0]
         return x[..., :width] + h @ self.k_proj.T, x[..., width:] + h @ self.v_proj.T
+
+
+def apply_patches(groups: list[torch.Tensor], patches: list[PatchAligner], hidden: torch.Tensor | None,
+                  hidden_layers: tuple[int, ...]) -> None:
+    """Replace, in ``groups`` (one ``[..., C]`` tensor per K / V group), the patch layers' entries by
+    their aligners' output. ``hidden`` ``[..., P, D]`` holds the decoded ``H_in`` at ``hidden_layers``.
+    Shared by decoding and by calibration, so both feed the aligners the same inputs."""
+    for patch in patches:
+        layer = patch.layer
+        if patch.source == "hidden":
+            x = hidden[..., hidden_layers.index(layer), :]
+        else:
+            x = torch.cat([groups[2 * layer], groups[2 * layer + 1]], dim=-1)
+        groups[2 * layer], groups[2 * layer + 1] = patch(x)
