@@ -73,10 +73,7 @@ def train_adapter(model, tokenizer, recipe: FinetuneRecipe, out: Path, metadata:
     torch.manual_seed(recipe.seed)
     stream = token_stream(tokenizer, recipe.corpus, "train")
     generator = torch.Generator().manual_seed(recipe.seed)
-    wrapped = lora.attach(model, recipe.rank, recipe.alpha, recipe.seed, full=recipe.full) if recipe.rank else {}
-    if not recipe.rank:
-        for param in model.parameters():
-            param.requires_grad_(False)
+    wrapped = lora.attach(model, recipe.rank, recipe.alpha, recipe.seed, full=recipe.full)
     model.to(device)
     full = lora.unfreeze_full(model, recipe.full)
     low_rank = [p for layer in wrapped.values() for p in (layer.lora_a, layer.lora_b)]

@@ -37,12 +37,14 @@ class LoRALinear(nn.Module):
 
 def attach(model: nn.Module, rank: int, alpha: float, seed: int, full: tuple[str, ...] = ()
            ) -> dict[str, LoRALinear]:
-    """Wrap every target linear layer of ``model`` not named in ``full`` in a LoRA layer; freeze
-    everything else (see :func:`unfreeze_full` for the full-rank part)."""
+    """Wrap every target linear layer of ``model`` not named in ``full`` in a LoRA layer (none when
+    ``rank`` is 0); freeze everything else (see :func:`unfreeze_full` for the full-rank part)."""
     for param in model.parameters():
         param.requires_grad_(False)
-    generator = torch.Generator().manual_seed(seed)
     wrapped: dict[str, LoRALinear] = {}
+    if rank == 0:
+        return wrapped
+    generator = torch.Generator().manual_seed(seed)
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if child_name in TARGETS and child_name not in full and isinstance(child, nn.Linear):
