@@ -32,7 +32,6 @@ class PairDecoder:
     bias: torch.Tensor  # [G, C]
     consumer_fingerprint: str = ""
     patches: list[PatchAligner] = field(default_factory=list)  # PATCH layers, applied after the maps
-    _folded: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         g, c = self.bias.shape
@@ -67,20 +66,17 @@ class PairDecoder:
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(M, c)`` with ``y = q M + c`` straight from the integer codes ``q`` (as floats): the basis,
         the map and each component's quantiser step and offset folded together. Zero-bit
-        components contribute nothing. Cached per device and dtype."""
+        components contribute nothing. Not cached here: :class:`ScdCodec` keeps the cut, contiguous copy."""
         if space.fingerprint != self.space_fingerprint:
             raise ValueError(f"decoder for {self.consumer} was calibrated for space {self.space_fingerprint}, "
                              f"not {space.fingerprint}")
-        key = (str(device), dtype)
-        if key not in self._folded:
-            eye = torch.eye(self.weight.shape[-1], dtype=torch.float64)
-            residual = eye + self.weight.double()
-            matrix = space.basis.double().transpose(1, 2) @ residual  # z_hat -> y
-            offset = torch.bmm(space.mean.double().unsqueeze(1), residual).squeeze(1) + self.bias.double()
-            # z_hat_j = (q_j - levels_j / 2 + 0.5) * step_j, and 0 where a component has no bits
-            step = torch.tensor(STEP, dtype=torch.float64)[space.bits] * space.sigma.double()
-            centre = torch.where(space.bits > 0, (1 << space.bits).double() / 2 - 0.5, torch.zeros(()).double())
-            matrix = matrix * step.unsqueeze(-1)
-            offset = offset - torch.bmm(centre.unsqueeze(1), matrix).squeeze(1)
-            self._folded[key] = (matrix.to(device=device, dtype=dtype), offset.to(device=device, dtype=dtype))
-        return self._folded[key]
+        eye = torch.eye(self.weight.shape[-1], dtype=torch.float64)
+        residual = eye + self.weight.double()
+        matrix = space.basis.double().transpose(1, 2) @ residual  # z_hat -> y
+        offset = torch.bmm(space.mean.double().unsqueeze(1), residual).squeeze(1) + self.bias.double()
+        # z_hat_j = (q_j - levels_j / 2 + 0.5) * step_j, and 0 where a component has no bits
+        step = torch.tensor(STEP, dtype=torch.float64)[space.bits] * space.sigma.double()
+        centre = torch.where(space.bits > 0, (1 << space.bits).double() / 2 - 0.5, torch.zeros(()).double())
+        matrix = matrix * step.unsqueeze(-1)
+        offset = offset - torch.bmm(centre.unsqueeze(1), matrix).squeeze(1)
+        return matrix.to(device=device, dtype=dtype), offset.to(device=device, dtype=dtype)
