@@ -54,6 +54,11 @@ def _read_manifest(path: Path, kind: str) -> dict:
     return manifest
 
 
+def read_space_manifest(bundle: Path) -> dict:
+    """The space manifest of ``bundle`` (format and version checked)."""
+    return _read_manifest(bundle / "space.json", "space")
+
+
 def save_space(bundle: Path, space: CodeSpace, extra: dict | None = None) -> None:
     bundle.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in space.tensors().items()}, str(bundle / "space.safetensors"))

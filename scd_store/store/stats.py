@@ -31,6 +31,7 @@ COUNTERS: dict[str, str] = {
     "evictions": "blobs a tier evicted to stay in its bounds",
     "promotions": "blobs copied up to a faster tier on a hit",
     "puts": "chunks written by producers",
+    "refused_requests": "engine requests for models that are no registered producer or consumer",
 }
 LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                    float("inf"))
@@ -78,7 +79,8 @@ class StoreStats:
         self.inc("hit_tokens", tokens, tier=tier, space=space, pair=pair)
         self.inc("bytes_read", nbytes, tier=tier, space=space, pair=pair)
         if raw_kv_bytes_per_token > 0:
-            self.inc("bytes_saved", tokens * raw_kv_bytes_per_token - nbytes, tier=tier, space=space, pair=pair)
+            saved = max(0, tokens * raw_kv_bytes_per_token - nbytes)  # tiny chunks can cost more than raw: no saving
+            self.inc("bytes_saved", saved, tier=tier, space=space, pair=pair)
 
     def value(self, name: str, *, tier: str | None = None, space: str | None = None, pair: str | None = None) -> int:
         """Sum of a counter over the labels not given."""

@@ -27,7 +27,7 @@ import numpy as np
 
 from scd_store.store.blob import Blob, BlobError, BlobMeta, Section, decode_blob, encode_blob
 from scd_store.store.health import TierHealth
-from scd_store.store.keys import chunk_keys, validate_chunk_size
+from scd_store.store.keys import chunk_keys, make_key, validate_chunk_size
 from scd_store.store.loop import LoopThread
 from scd_store.store.registry import Pair, Registry, Space
 from scd_store.store.stats import RedisStatsMirror, StoreStats, write_snapshot_file
@@ -215,8 +215,10 @@ class TieredStore:
 
     def lookup_prefix(self, space_id: str, tokens: Tokens, *, pair: str = "") -> PrefixHit:
         """Like :meth:`contains_prefix`, with the tier of each leading chunk."""
+        return self._lookup_keys(space_id, chunk_keys(space_id, tokens, self.chunk_size), pair)
+
+    def _lookup_keys(self, space_id: str, keys: list[str], pair: str = "") -> PrefixHit:
         t0 = time.perf_counter()
-        keys = chunk_keys(space_id, tokens, self.chunk_size)
         where = self._walk(keys, "contains", None)
         run = _leading_run(where)
         tiers = tuple(self.tiers[where[i]].name for i in range(run))  # type: ignore[index]
@@ -309,8 +311,10 @@ class TieredStore:
         return still, bad
 
     def _get(self, space: Space, tokens: Tokens, pair_id: str) -> list[CodeChunk]:
+        return self._get_keys(space, chunk_keys(space.space_id, tokens, self.chunk_size), pair_id)
+
+    def _get_keys(self, space: Space, keys: list[str], pair_id: str) -> list[CodeChunk]:
         t0 = time.perf_counter()
-        keys = chunk_keys(space.space_id, tokens, self.chunk_size)
         found = self._walk(keys, "get", space)
         run = _leading_run(found)
         chunks: list[CodeChunk] = []
@@ -354,15 +358,25 @@ class TieredStore:
     def _put(self, space: Space, tokens: Tokens, payloads: Sequence[bytes], codec_id: str,
              layer_roles: tuple[str, ...], code_dtypes: tuple[str, ...], bit_widths: tuple[int, ...],
              sections: Sequence[Sequence[Section]] | None) -> list[str]:
-        t0 = time.perf_counter()
         keys = chunk_keys(space.space_id, tokens, self.chunk_size)
         if len(payloads) > len(keys):
             raise ValueError(f"{len(payloads)} payloads for {len(keys)} whole chunks of {self.chunk_size} tokens")
+        return self._put_keys(space, keys[:len(payloads)], payloads, [self.chunk_size] * len(payloads), codec_id,
+                              layer_roles, code_dtypes, bit_widths, sections)
+
+    def _put_keys(self, space: Space, keys: Sequence[str], payloads: Sequence[bytes], token_counts: Sequence[int],
+                  codec_id: str, layer_roles: tuple[str, ...] = (), code_dtypes: tuple[str, ...] = (),
+                  bit_widths: tuple[int, ...] = (), sections: Sequence[Sequence[Section]] | None = None
+                  ) -> list[str]:
+        t0 = time.perf_counter()
+        if not len(keys) == len(payloads) == len(token_counts):
+            raise ValueError(f"{len(keys)} keys, {len(payloads)} payloads and {len(token_counts)} token counts "
+                             "must match")
         if sections is not None and len(sections) != len(payloads):
             raise ValueError("sections must give one tuple per payload")
         items = []
         for i, payload in enumerate(payloads):
-            meta = BlobMeta(codec_id, space.fingerprint, self.chunk_size, layer_roles, code_dtypes, bit_widths,
+            meta = BlobMeta(codec_id, space.fingerprint, int(token_counts[i]), layer_roles, code_dtypes, bit_widths,
                             tuple(sections[i]) if sections is not None else ())
             items.append((keys[i], encode_blob(meta, payload)))
         if not items:
@@ -489,6 +503,17 @@ class ProducerView:
     def contains_prefix(self, tokens: Tokens) -> int:
         return self.store.contains_prefix(self.space.space_id, tokens)
 
+    def put_hashes(self, hashes: Sequence[bytes], payloads: Sequence[bytes], token_counts: Sequence[int], *,
+                   codec_id: str) -> list[str]:
+        """Store payloads under engine-computed chunk hashes (16 bytes each), e.g. LMCache's or SGLang's."""
+        keys = [make_key(self.space.space_id, h) for h in hashes]
+        return self.store._put_keys(self.space, keys, payloads, token_counts, codec_id)
+
+    def contains_hashes(self, hashes: Sequence[bytes]) -> int:
+        """Length of the leading run of ``hashes`` present in any tier."""
+        keys = [make_key(self.space.space_id, h) for h in hashes]
+        return self.store._lookup_keys(self.space.space_id, keys).hit_chunks
+
 
 class ConsumerView:
     """A registered consumer's face: lookups and verified gets in its pair's space. It cannot write."""
@@ -506,3 +531,13 @@ class ConsumerView:
 
     def get(self, tokens: Tokens) -> list[CodeChunk]:
         return self.store._get(self.space, tokens, self.pair.pair_id)
+
+    def contains_hashes(self, hashes: Sequence[bytes]) -> int:
+        """Length of the leading run of engine-computed chunk ``hashes`` present in any tier."""
+        keys = [make_key(self.space.space_id, h) for h in hashes]
+        return self.store._lookup_keys(self.space.space_id, keys, self.pair.pair_id).hit_chunks
+
+    def get_hashes(self, hashes: Sequence[bytes]) -> list[CodeChunk]:
+        """The verified leading run of chunks stored under engine-computed ``hashes``."""
+        keys = [make_key(self.space.space_id, h) for h in hashes]
+        return self.store._get_keys(self.space, keys, self.pair.pair_id)

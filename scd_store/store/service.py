@@ -1,0 +1,179 @@
+"""The engine-neutral face of scd-store: engine model names and chunk hashes in, KV states out.
+
+Engine adapters (LMCache, SGLang) see only this: a producer model's chunks are encoded into its
+code space and put under the engine's own chunk hashes; a registered consumer asking for the
+same hashes gets the producer's codes decoded into *its* KV. A model that is neither a space's
+producer nor a registered consumer is a clean miss. Bundles (see ``scd-store calibrate``) are
+registered in the store's registry when the service starts (idempotent; a conflicting record is
+an error).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from scd_store.codecs.tensor_pack import PayloadError
+from scd_store.codecs.kv_state import KVState
+from scd_store.codecs.scd.bundle import load_pair, load_space, pair_names, read_space_manifest
+from scd_store.codecs.scd.codec import ScdCodec
+from scd_store.codecs.scd.space import CodeSpace
+from scd_store.store.registry import Pair, Space
+from scd_store.store.store import ConsumerView, ProducerView, TieredStore
+
+log = logging.getLogger("scd_store.service")
+
+
+class ServiceError(ValueError):
+    """A bad service configuration (unreadable bundle, a model bound twice)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Binding:
+    """What one engine model name is to scd-store: a space's producer or one of its consumers."""
+
+    model: str
+    role: str  # "producer" | "consumer"
+    space: CodeSpace
+    codec: ScdCodec
+    pair_id: str = ""
+
+
+def pair_id_for(space_id: str, consumer: str) -> str:
+    return f"{space_id}/{consumer}"
+
+
+class KVService:
+    """Producer puts and consumer gets by engine chunk hash, over one :class:`TieredStore`.
+
+    ``bundles`` are calibration bundle directories. ``aliases`` maps an engine's model name (e.g.
+    a served-model name or checkpoint path) to the name the bundle knows the model by.
+    """
+
+    def __init__(self, store: TieredStore, bundles: Sequence[str | Path], *,
+                 aliases: Mapping[str, str] | None = None) -> None:
+        self.store = store
+        self.aliases = dict(aliases or {})
+        self._bindings: dict[str, Binding] = {}
+        self._producers: dict[str, ProducerView] = {}
+        self._consumers: dict[str, ConsumerView] = {}
+        for bundle in bundles:
+            self._add_bundle(Path(bundle))
+
+    # ----------------------------------------------------------------- set-up
+    def _bind(self, binding: Binding) -> None:
+        if binding.model in self._bindings:
+            other = self._bindings[binding.model]
+            raise ServiceError(f"model {binding.model!r} is bound twice: as {other.role} of space "
+                               f"{other.space.space_id!r} and as {binding.role} of {binding.space.space_id!r}")
+        self._bindings[binding.model] = binding
+
+    def _add_bundle(self, bundle: Path) -> None:
+        if not (bundle / "space.json").is_file():
+            raise ServiceError(f"{bundle} is not a calibration bundle (no space.json)")
+        manifest = read_space_manifest(bundle)
+        space = load_space(bundle)
+        producer = manifest.get("producer") or ""
+        if not producer:
+            raise ServiceError(f"{bundle}: the space manifest names no producer model")
+        layout = space.layout
+        raw_per_token = 2 * layout.num_layers * layout.kv_heads * layout.head_dim * 2
+        record = Space(space.space_id, producer, space.producer_fingerprint or "unknown", space.fingerprint,
+                       codec_id=ScdCodec.codec_id, chunk_size=self.store.chunk_size,
+                       raw_kv_bytes_per_token=raw_per_token)
+        self.store.registry.register_space(record)
+        self._bind(Binding(producer, "producer", space, ScdCodec(space)))
+        for consumer in pair_names(bundle):
+            decoder = load_pair(bundle, consumer, space)
+            pair_id = pair_id_for(space.space_id, consumer)
+            self.store.registry.register_pair(Pair(pair_id, space.space_id, consumer,
+                                                   decoder.consumer_fingerprint or "unknown", decoder.fingerprint))
+            self._bind(Binding(consumer, "consumer", space, ScdCodec(space, decoder), pair_id))
+        self.store.forget_registry_cache()
+
+    # ----------------------------------------------------------------- lookups
+    def binding(self, model: str) -> Binding | None:
+        """The binding of an engine model name (after aliases), or None for a model scd-store does not serve."""
+        return self._bindings.get(self.aliases.get(model, model))
+
+    def models(self) -> dict[str, str]:
+        """Every bound model name and its role."""
+        return {name: b.role for name, b in sorted(self._bindings.items())}
+
+    def _producer(self, binding: Binding) -> ProducerView:
+        view = self._producers.get(binding.model)
+        if view is None:
+            view = self.store.producer(binding.space.space_id, binding.model)
+            self._producers[binding.model] = view
+        return view
+
+    def _consumer(self, binding: Binding) -> ConsumerView:
+        view = self._consumers.get(binding.model)
+        if view is None:
+            view = self.store.consumer(binding.pair_id, binding.model)
+            self._consumers[binding.model] = view
+        return view
+
+    # ----------------------------------------------------------------- operations
+    def put(self, model: str, hashes: Sequence[bytes], states: Sequence[KVState]) -> int:
+        """Encode a producer's chunks (one state per hash, at its absolute start) and store them.
+
+        Returns the chunks stored: 0 when ``model`` produces no space (consumers never write)."""
+        binding = self.binding(model)
+        if binding is None or binding.role != "producer":
+            self.store.stats.inc("refused_requests")
+            log.info("scd-store: %r is not a registered producer; not storing %d chunks", model, len(hashes))
+            return 0
+        if len(hashes) != len(states):
+            raise ValueError(f"{len(hashes)} hashes for {len(states)} states")
+        t0 = time.perf_counter()
+        payloads = [binding.codec.encode(state) for state in states]
+        self.store.stats.observe("encode", time.perf_counter() - t0)
+        self._producer(binding).put_hashes(hashes, payloads, [s.num_tokens for s in states],
+                                           codec_id=binding.codec.codec_id)
+        return len(payloads)
+
+    def contains(self, model: str, hashes: Sequence[bytes]) -> int:
+        """Chunks of the leading run of ``hashes`` that ``model`` can get (0 for an unknown model)."""
+        binding = self.binding(model)
+        if binding is None:
+            return 0
+        if binding.role == "producer":
+            return self._producer(binding).contains_hashes(hashes)
+        return self._consumer(binding).contains_hashes(hashes)
+
+    def get(self, model: str, hashes: Sequence[bytes], *, device: torch.device | str = "cpu",
+            dtype: torch.dtype = torch.float32) -> list[KVState]:
+        """A consumer's KV for the leading run of ``hashes`` held in the store, one state per chunk.
+
+        Unknown models and producers (whose own cache is raw) get ``[]``; a chunk whose payload the
+        codec refuses ends the run (it is counted, never decoded into garbage)."""
+        binding = self.binding(model)
+        if binding is None or binding.role != "consumer":
+            self.store.stats.inc("refused_requests")
+            log.info("scd-store: %r is not a registered consumer; miss", model)
+            return []
+        chunks = self._consumer(binding).get_hashes(hashes)
+        t0 = time.perf_counter()
+        states: list[KVState] = []
+        for chunk in chunks:
+            try:
+                state = binding.codec.decode(bytes(chunk.payload), device=device, dtype=dtype)
+            except PayloadError as exc:
+                self.store.stats.inc("corrupt_blobs", tier=chunk.tier, space=binding.space.space_id)
+                log.warning("scd-store: chunk %s refused by the codec: %s", chunk.key, exc)
+                break
+            if state.num_tokens != chunk.token_count:
+                self.store.stats.inc("corrupt_blobs", tier=chunk.tier, space=binding.space.space_id)
+                log.warning("scd-store: chunk %s decodes to %d tokens, its header says %d", chunk.key,
+                            state.num_tokens, chunk.token_count)
+                break
+            states.append(state)
+        if chunks:
+            self.store.stats.observe("decode", time.perf_counter() - t0)
+        return states

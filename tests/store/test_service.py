@@ -1,0 +1,108 @@
+import logging
+
+import pytest
+import torch
+
+from scd_store.codecs.scd.bundle import load_space
+from scd_store.codecs.scd.codec import ScdCodec
+from scd_store.codecs.scd.decoder import PairDecoder
+from scd_store.store.registry import FileRegistry, RegistryError
+from scd_store.store.service import KVService, ServiceError
+from scd_store.store.store import TieredStore
+from scd_store.store.tiers.cpu import CpuTier
+from tests.bundles import PRODUCER, correlated_state, write_tiny_bundle
+
+HASHES = [bytes([i]) * 16 for i in range(3)]
+
+
+@pytest.fixture
+def bundle(tmp_path):
+    path = tmp_path / "bundle"
+    write_tiny_bundle(path, consumers=("consumer-a", "consumer-b"))
+    return path
+
+
+@pytest.fixture
+def store(tmp_path):
+    st = TieredStore([CpuTier(1 << 20)], FileRegistry(tmp_path / "reg.json"), chunk_size=8)
+    yield st
+    st.close()
+
+
+def chunks(count=3, size=8):
+    state = correlated_state(count * size, seed=5)
+    return state, [type(state)(state.keys[:, :, i * size:(i + 1) * size].contiguous(),
+                               state.values[:, :, i * size:(i + 1) * size].contiguous(), start=i * size)
+                   for i in range(count)]
+
+
+def test_consumer_gets_its_own_decode_of_the_producer_chunks(store, bundle):
+    service = KVService(store, [bundle])
+    assert service.models() == {"consumer-a": "consumer", "consumer-b": "consumer", PRODUCER: "producer"}
+    _, parts = chunks()
+    assert service.put(PRODUCER, HASHES, parts) == 3
+    assert service.contains("consumer-b", HASHES) == 3
+    got = service.get("consumer-b", HASHES)
+    codec = ScdCodec(service.binding("consumer-b").space, service.binding("consumer-b").codec.decoder)
+    for state, part in zip(got, parts, strict=True):
+        want = codec.decode(codec.encode(part))
+        assert state.start == part.start and torch.equal(state.keys, want.keys) and torch.equal(state.values, want.values)
+    # consumer-b's decoder scales by 1.1: it differs from consumer-a's KV
+    a = service.get("consumer-a", HASHES)
+    assert not torch.allclose(a[1].values, got[1].values)
+
+
+def test_unknown_models_and_producers_miss_and_consumers_cannot_write(store, bundle, caplog):
+    service = KVService(store, [bundle])
+    _, parts = chunks()
+    with caplog.at_level(logging.INFO, logger="scd_store.service"):
+        assert service.put("consumer-a", HASHES, parts) == 0
+        assert service.put("stranger", HASHES, parts) == 0
+    assert "not a registered producer" in caplog.text
+    service.put(PRODUCER, HASHES, parts)
+    assert service.get("stranger", HASHES) == [] and service.contains("stranger", HASHES) == 0
+    assert service.get(PRODUCER, HASHES) == []  # the producer's own cache is raw, not coded
+    assert store.stats.value("refused_requests") == 4
+
+
+def test_aliases_and_leading_run(store, bundle):
+    service = KVService(store, [bundle], aliases={"served/consumer": "consumer-a"})
+    _, parts = chunks()
+    service.put(PRODUCER, HASHES[:2], parts[:2])
+    assert service.contains("served/consumer", HASHES) == 2
+    assert len(service.get("served/consumer", [HASHES[0], HASHES[2], HASHES[1]])) == 1
+
+
+def test_a_codec_refusal_ends_the_run_and_is_counted(store, bundle, tmp_path):
+    service = KVService(store, [bundle])
+    _, parts = chunks()
+    service.put(PRODUCER, HASHES, parts)
+    other = tmp_path / "other"
+    write_tiny_bundle(other, consumers=("consumer-a",), budget=0.2)  # same ids, another space fingerprint
+    bad = ScdCodec(load_space(other))
+    # overwrite chunk 1 with a payload of another space under a valid blob header of this space
+    store._put_keys(store.registry.space("tiny-space"), [f"scd:tiny-space:{HASHES[1].hex()}"],
+                    [bad.encode(parts[1])], [8], codec_id=bad.codec_id)
+    assert len(service.get("consumer-a", HASHES)) == 1
+    assert store.stats.value("corrupt_blobs") == 1
+
+
+def test_bad_configuration_fails_loudly(store, bundle, tmp_path):
+    with pytest.raises(ServiceError, match="not a calibration bundle"):
+        KVService(store, [tmp_path / "nowhere"])
+    with pytest.raises(ServiceError, match="bound twice"):
+        KVService(store, [bundle, bundle])
+    other = tmp_path / "other"
+    write_tiny_bundle(other, consumers=("consumer-a",), budget=0.2)
+    with pytest.raises(RegistryError, match="already registered"):
+        KVService(store, [other])  # same space id, different contents
+
+
+def test_identity_decoder_roundtrip_is_close(store, bundle):
+    service = KVService(store, [bundle])
+    state, parts = chunks()
+    service.put(PRODUCER, HASHES, parts)
+    got = service.get("consumer-a", HASHES)
+    keys = torch.cat([s.keys for s in got], dim=2)
+    assert float((keys - state.keys).norm() / state.keys.norm()) < 0.1
+    assert isinstance(service.binding("consumer-a").codec.decoder, PairDecoder)
