@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
-from scd_store.codecs.tensor_pack import PayloadError
 from scd_store.codecs.kv_state import KVState
 from scd_store.codecs.scd.bundle import load_pair, load_space, pair_names, read_space_manifest
 from scd_store.codecs.scd.codec import ScdCodec
 from scd_store.codecs.scd.space import CodeSpace
+from scd_store.codecs.tensor_pack import PayloadError
 from scd_store.store.registry import Pair, Space
 from scd_store.store.store import ConsumerView, ProducerView, TieredStore
 

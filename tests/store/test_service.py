@@ -46,7 +46,8 @@ def test_consumer_gets_its_own_decode_of_the_producer_chunks(store, bundle):
     codec = ScdCodec(service.binding("consumer-b").space, service.binding("consumer-b").codec.decoder)
     for state, part in zip(got, parts, strict=True):
         want = codec.decode(codec.encode(part))
-        assert state.start == part.start and torch.equal(state.keys, want.keys) and torch.equal(state.values, want.values)
+        assert state.start == part.start
+        assert torch.equal(state.keys, want.keys) and torch.equal(state.values, want.values)
     # consumer-b's decoder scales by 1.1: it differs from consumer-a's KV
     a = service.get("consumer-a", HASHES)
     assert not torch.allclose(a[1].values, got[1].values)

@@ -1,0 +1,33 @@
+"""LMCache's chunk layout and keys, to and from scd-store's :class:`KVState` and 16-byte chunk hashes."""
+
+from __future__ import annotations
+
+import torch
+import xxhash
+
+from scd_store.codecs.kv_state import KVState
+
+
+def chunk_hash_bytes(chunk_hash: int) -> bytes:
+    """A 16-byte store hash for LMCache's integer chunk hash (which already chains over the prefix)."""
+    return xxhash.xxh3_128(b"lmcache/chunk/%d" % int(chunk_hash)).digest()
+
+
+def state_from_kv_2ltd(tensor: torch.Tensor, num_kv_heads: int, start: int) -> KVState:
+    """``[2, layers, tokens, heads * head_dim]`` (LMCache ``KV_2LTD``) -> a float32 :class:`KVState`."""
+    if tensor.dim() != 4 or tensor.shape[0] != 2 or tensor.shape[3] % num_kv_heads:
+        raise ValueError(f"not a KV_2LTD chunk with {num_kv_heads} kv heads: shape {tuple(tensor.shape)}")
+    layers, tokens, width = tensor.shape[1:]
+    kv = tensor.float().view(2, layers, tokens, num_kv_heads, width // num_kv_heads).permute(0, 1, 3, 2, 4)
+    return KVState(kv[0].contiguous(), kv[1].contiguous(), start=start)
+
+
+def write_kv_2ltd(state: KVState, out: torch.Tensor) -> None:
+    """Write ``state`` into a ``[2, layers, tokens, heads * head_dim]`` tensor (casting to its dtype)."""
+    layers, heads, tokens, dim = state.keys.shape
+    if tuple(out.shape) != (2, layers, tokens, heads * dim):
+        raise ValueError(f"chunk buffer {tuple(out.shape)} does not fit KV of {layers} layers x {tokens} tokens "
+                         f"x {heads} heads x {dim}")
+    view = out.view(2, layers, tokens, heads, dim)
+    view[0].copy_(state.keys.permute(0, 2, 1, 3))
+    view[1].copy_(state.values.permute(0, 2, 1, 3))

@@ -1,0 +1,190 @@
+"""scd-store as an LMCache storage plugin (``StoragePluginInterface``, LMCache 0.5.6).
+
+Configure in the LMCache YAML::
+
+    storage_plugins: [scd]
+    extra_config:
+      storage_plugin.scd.module_path: scd_store.adapters.lmcache.plugin
+      storage_plugin.scd.class_name: ScdStoragePlugin
+      scd.bundles: /path/to/bundle            # comma-separated for several spaces
+      scd.store_config: /path/to/scd-store.yaml   # optional
+
+Store path: chunks that a space's producer engine stores are encoded into its code space and put
+under LMCache's chunk hash. Retrieve path: a registered consumer engine asking for the same chunk
+hash (under its own model name) gets the producer's codes decoded into its own KV, written into a
+``KV_2LTD`` memory object from LMCache's CPU allocator: an ordinary LMCache hit. Everyone else
+misses. A bad configuration raises at construction (LMCache only logs that, so the error is also
+logged here with the fix).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.memory_management import MemoryFormat, MemoryObj
+from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
+
+from scd_store.adapters.engine_settings import EngineSettings, SettingsError, acquire_service, release_service
+from scd_store.adapters.lmcache.layout import chunk_hash_bytes, state_from_kv_2ltd, write_kv_2ltd
+from scd_store.codecs.kv_state import KVState
+
+log = logging.getLogger("scd_store.adapters.lmcache")
+SETTINGS_PREFIX = "scd."
+
+
+class ScdStoragePlugin(StoragePluginInterface):
+    """LMCache backend over scd-store's :class:`~scd_store.store.service.KVService`."""
+
+    def __init__(self, dst_device: str = "cpu", config: Any = None, metadata: Any = None,
+                 local_cpu_backend: Any = None, loop: Any = None) -> None:
+        super().__init__(dst_device=dst_device, config=config, metadata=metadata,
+                         local_cpu_backend=local_cpu_backend, loop=loop)
+        try:
+            self._check_engine(config, metadata, local_cpu_backend)
+            settings = EngineSettings.from_mapping(config.extra_config or {}, prefix=SETTINGS_PREFIX)
+            self.positions = settings.positions
+            self.service = acquire_service(settings)
+            try:
+                self.model = metadata.model_name
+                self._check_layout(metadata)
+            except BaseException:
+                release_service(self.service)
+                raise
+        except Exception as exc:
+            log.error("scd-store LMCache plugin: bad configuration: %s", exc)
+            raise
+        self._warned: set[str] = set()
+
+    # ----------------------------------------------------------------- construction checks
+    @staticmethod
+    def _check_engine(config: Any, metadata: Any, local_cpu_backend: Any) -> None:
+        if config is None or metadata is None:
+            raise SettingsError("the plugin needs LMCache's config and metadata")
+        if local_cpu_backend is None:
+            raise SettingsError("the plugin allocates retrieved chunks from LMCache's CPU backend: set local_cpu: true")
+        if metadata.world_size != 1:
+            raise SettingsError(f"tensor parallel engines (world_size={metadata.world_size}) are not supported: "
+                                "codes are calibrated over all KV heads of a layer")
+        if getattr(metadata, "use_mla", False):
+            raise SettingsError("MLA models are not supported")
+
+    def _check_layout(self, metadata: Any) -> None:
+        binding = self.service.binding(self.model)
+        if binding is None:
+            log.warning("scd-store LMCache plugin: model %r is in no bundle (bound: %s); every request misses",
+                        self.model, self.service.models())
+            return
+        layout = binding.space.layout
+        layers, two, _, heads, dim = metadata.kv_shape
+        if (layers, heads, dim) != (layout.num_layers, layout.kv_heads, layout.head_dim) or two != 2:
+            raise SettingsError(f"engine KV shape {tuple(metadata.kv_shape)} (layers, 2, chunk, heads, head_dim) does "
+                                f"not match space {binding.space.space_id!r}: {layout.num_layers} layers x "
+                                f"{layout.kv_heads} heads x {layout.head_dim}")
+        log.info("scd-store LMCache plugin: %r is the %s of space %r", self.model, binding.role,
+                 binding.space.space_id)
+
+    def __str__(self) -> str:
+        return "ScdStoragePlugin"
+
+    # ----------------------------------------------------------------- helpers
+    def _warn_once(self, what: str, message: str, *args: Any) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            log.warning(message, *args)
+
+    def _is_consumer(self, model: str) -> bool:
+        binding = self.service.binding(model)
+        return binding is not None and binding.role == "consumer"
+
+    def _states(self, objs: Sequence[MemoryObj]) -> list[KVState] | None:
+        heads = self.metadata.kv_shape[3]
+        states, offset = [], 0
+        for obj in objs:
+            if obj.metadata.fmt != MemoryFormat.KV_2LTD:
+                self._warn_once("fmt", "scd-store: LMCache chunk format %s is not supported (KV_2LTD only); "
+                                "not storing", obj.metadata.fmt)
+                return None
+            positions = obj.metadata.cached_positions
+            if positions is not None and len(positions):
+                start = int(positions[0])
+            elif self.positions == "batch":
+                start = offset
+            else:
+                self._warn_once("positions", "scd-store: the connector records no chunk positions "
+                                "(MemoryObj.metadata.cached_positions); not storing. Set scd.positions: batch "
+                                "when the engine always stores whole prompts from position 0")
+                return None
+            state = state_from_kv_2ltd(obj.tensor, heads, start)
+            offset = start + state.num_tokens
+            states.append(state)
+        return states
+
+    # ----------------------------------------------------------------- StoragePluginInterface
+    def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
+        return self.batched_contains([key], pin) == 1
+
+    def batched_contains(self, keys: list[CacheEngineKey], pin: bool = False) -> int:
+        if not keys or not self._is_consumer(keys[0].model_name):
+            return 0
+        return self.service.contains(keys[0].model_name, [chunk_hash_bytes(k.chunk_hash) for k in keys])
+
+    def exists_in_put_tasks(self, key: CacheEngineKey) -> bool:
+        return False  # puts complete inside batched_submit_put_task
+
+    def batched_submit_put_task(self, keys: Sequence[CacheEngineKey], objs: list[MemoryObj], transfer_spec: Any = None,
+                                on_complete_callback: Callable[[CacheEngineKey], None] | None = None) -> None:
+        if not keys:
+            return None
+        model = keys[0].model_name
+        binding = self.service.binding(model)
+        if binding is None or binding.role != "producer":
+            return None  # consumers never write; their own chunks stay in LMCache's other tiers
+        states = self._states(objs)
+        if states is not None:
+            self.service.put(model, [chunk_hash_bytes(k.chunk_hash) for k in keys], states)
+            if on_complete_callback is not None:
+                for key in keys:
+                    try:
+                        on_complete_callback(key)
+                    except Exception as exc:  # the engine's callback must not break the put
+                        log.warning("scd-store: LMCache put callback failed: %s", exc)
+        return None
+
+    def get_blocking(self, key: CacheEngineKey) -> MemoryObj | None:
+        return self.batched_get_blocking([key])[0]
+
+    def batched_get_blocking(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
+        out: list[MemoryObj | None] = [None] * len(keys)
+        if not keys or not self._is_consumer(keys[0].model_name):
+            return out
+        states = self.service.get(keys[0].model_name, [chunk_hash_bytes(k.chunk_hash) for k in keys])
+        for i, (key, state) in enumerate(zip(keys, states, strict=False)):
+            shape = torch.Size([2, state.num_layers, state.num_tokens, state.num_kv_heads * state.head_dim])
+            obj = self.local_cpu_backend.allocate(shape, key.dtype, fmt=MemoryFormat.KV_2LTD)
+            if obj is None:
+                self._warn_once("alloc", "scd-store: LMCache's CPU allocator is full; retrieved chunks dropped")
+                break
+            write_kv_2ltd(state, obj.tensor)
+            out[i] = obj
+        return out
+
+    def pin(self, key: CacheEngineKey) -> bool:
+        return False  # codes are shared by every consumer of a space: nothing is pinned per engine
+
+    def unpin(self, key: CacheEngineKey) -> bool:
+        return False
+
+    def remove(self, key: CacheEngineKey, force: bool = True) -> bool:
+        return False  # engines do not delete codes; the store's tiers evict by their own bounds
+
+    def get_allocator_backend(self) -> Any:
+        return self.local_cpu_backend
+
+    def close(self) -> None:
+        service, self.service = getattr(self, "service", None), None
+        if service is not None:
+            release_service(service)

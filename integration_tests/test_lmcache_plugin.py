@@ -1,0 +1,146 @@
+"""The scd-store LMCache plugin inside real LMCacheEngines (CPU): producer stores, consumer retrieves."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from integration_tests.lmcache_engines import make_engine, plugin_config, scd_backend, write_store_yaml
+from scd_store.adapters.engine_settings import SettingsError
+from scd_store.adapters.lmcache.plugin import ScdStoragePlugin
+from scd_store.codecs.kv_state import KVState
+from scd_store.codecs.scd.bundle import load_pair, load_space
+from scd_store.codecs.scd.codec import ScdCodec
+from tests.bundles import LAYOUT, PRODUCER, correlated_state, write_tiny_bundle
+
+from lmcache.v1.cache_engine import LMCacheEngineBuilder  # isort: skip
+
+CHUNK, TOKENS = 16, 40  # two whole chunks and a partial one
+HEADS, DIM = LAYOUT.kv_heads, LAYOUT.head_dim
+
+
+@pytest.fixture
+def setup(tmp_path):
+    bundle = tmp_path / "bundle"
+    write_tiny_bundle(bundle, consumers=("consumer-a", "consumer-b"))
+    store_yaml = write_store_yaml(tmp_path / "store.yaml", tmp_path / "disk")
+    instances: list[str] = []
+    yield bundle, store_yaml, instances
+    for instance in instances:
+        LMCacheEngineBuilder.destroy(instance)
+
+
+def producer_kv() -> torch.Tensor:
+    state = correlated_state(TOKENS, seed=11)
+    kv = torch.stack([state.keys, state.values]).permute(0, 1, 3, 2, 4)  # [2, L, T, H, D]
+    return kv.reshape(2, LAYOUT.num_layers, TOKENS, HEADS * DIM).half().contiguous()
+
+
+def expected_consumer_kv(bundle, consumer: str, kv: torch.Tensor) -> torch.Tensor:
+    """scd-store's own decode of the producer's chunks for ``consumer``, in LMCache's layout and dtype."""
+    space = load_space(bundle)
+    codec = ScdCodec(space, load_pair(bundle, consumer, space))
+    out = torch.zeros_like(kv)
+    for start in range(0, TOKENS, CHUNK):
+        end = min(start + CHUNK, TOKENS)
+        chunk = kv[:, :, start:end].float().view(2, LAYOUT.num_layers, end - start, HEADS, DIM).permute(0, 1, 3, 2, 4)
+        state = codec.decode(codec.encode(KVState(chunk[0].contiguous(), chunk[1].contiguous(), start=start)))
+        out[0, :, start:end] = state.keys.permute(0, 2, 1, 3).reshape(LAYOUT.num_layers, end - start, -1).half()
+        out[1, :, start:end] = state.values.permute(0, 2, 1, 3).reshape(LAYOUT.num_layers, end - start, -1).half()
+    return out
+
+
+def test_consumer_engine_retrieves_its_own_decode_of_the_producer_prefix(setup):
+    bundle, store_yaml, instances = setup
+    config = plugin_config([bundle], store_yaml, CHUNK)
+    kv = producer_kv()
+    tokens = torch.arange(100, 100 + TOKENS)
+    name, producer = make_engine(PRODUCER, config, kv, HEADS)
+    instances.append(name)
+    assert isinstance(scd_backend(producer), ScdStoragePlugin)
+    producer.store(tokens)
+    for consumer in ("consumer-a", "consumer-b"):
+        out = torch.zeros_like(kv)
+        name, engine = make_engine(consumer, config, out, HEADS)
+        instances.append(name)
+        assert engine.lookup(tokens) == TOKENS
+        retrieved = engine.retrieve(tokens)
+        assert int(retrieved.sum()) == TOKENS
+        assert torch.equal(out, expected_consumer_kv(bundle, consumer, kv))
+    service = scd_backend(producer).service
+    assert service.store.stats.value("hit_chunks") == 2 * 3
+
+
+def test_unknown_model_misses_with_a_log_line(setup, caplog):
+    bundle, store_yaml, instances = setup
+    config = plugin_config([bundle], store_yaml, CHUNK)
+    kv = producer_kv()
+    tokens = torch.arange(TOKENS)
+    name, producer = make_engine(PRODUCER, config, kv, HEADS)
+    instances.append(name)
+    producer.store(tokens)
+    with caplog.at_level(logging.WARNING, logger="scd_store.adapters.lmcache"):
+        name, stranger = make_engine("stranger", config, torch.zeros_like(kv), HEADS)
+    instances.append(name)
+    assert "is in no bundle" in caplog.text
+    assert stranger.lookup(tokens) == 0
+
+
+def test_without_chunk_positions_nothing_is_stored(setup, caplog):
+    bundle, store_yaml, instances = setup
+    config = plugin_config([bundle], store_yaml, CHUNK)
+    kv = producer_kv()
+    tokens = torch.arange(7, 7 + TOKENS)
+    name, producer = make_engine(PRODUCER, config, kv, HEADS, record_positions=False)
+    instances.append(name)
+    with caplog.at_level(logging.WARNING, logger="scd_store.adapters.lmcache"):
+        producer.store(tokens)
+    assert "records no chunk positions" in caplog.text
+    name, consumer = make_engine("consumer-a", config, torch.zeros_like(kv), HEADS)
+    instances.append(name)
+    assert consumer.lookup(tokens) == 0
+
+
+def test_batch_positions_mode_stores_whole_prompts(setup):
+    bundle, store_yaml, instances = setup
+    config = plugin_config([bundle], store_yaml, CHUNK, positions="batch")
+    kv = producer_kv()
+    tokens = torch.arange(3, 3 + TOKENS)
+    name, producer = make_engine(PRODUCER, config, kv, HEADS, record_positions=False)
+    instances.append(name)
+    producer.store(tokens)
+    out = torch.zeros_like(kv)
+    name, consumer = make_engine("consumer-a", config, out, HEADS)
+    instances.append(name)
+    consumer.retrieve(tokens)
+    assert torch.equal(out, expected_consumer_kv(bundle, "consumer-a", kv))
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"scd.bundles": "/nonexistent"}, "not a calibration bundle"),
+    ({"scd.positions": "guess"}, "positions must be one of"),
+    ({"scd.bundle": "x"}, "unknown scd-store settings"),
+])
+def test_bad_configuration_fails_at_construction(setup, change, match):
+    bundle, store_yaml, _ = setup
+    config = plugin_config([bundle], store_yaml, CHUNK)
+    config.extra_config.update(change)
+    from lmcache.v1.metadata import LMCacheMetadata
+
+    metadata = LMCacheMetadata(model_name=PRODUCER, world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
+                               kv_dtype=torch.float16, kv_shape=(LAYOUT.num_layers, 2, CHUNK, HEADS, DIM))
+    with pytest.raises(SettingsError, match=match):
+        ScdStoragePlugin(dst_device="cpu", config=config, metadata=metadata, local_cpu_backend=object())
+
+
+def test_engine_shape_that_does_not_fit_the_space_fails(setup):
+    bundle, store_yaml, _ = setup
+    config = plugin_config([bundle], store_yaml, CHUNK)
+    from lmcache.v1.metadata import LMCacheMetadata
+
+    metadata = LMCacheMetadata(model_name="consumer-a", world_size=1, local_world_size=1, worker_id=0,
+                               local_worker_id=0, kv_dtype=torch.float16, kv_shape=(5, 2, CHUNK, HEADS, DIM))
+    with pytest.raises(SettingsError, match="does not match space"):
+        ScdStoragePlugin(dst_device="cpu", config=config, metadata=metadata, local_cpu_backend=object())
