@@ -101,6 +101,20 @@ def _bench_decode(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_transfer(args: argparse.Namespace) -> int:
+    import json
+
+    from scd_store.bench.transfer import run_transfer_bench
+    from scd_store.store.transfer import nixl_available
+
+    kind = args.kind if args.kind != "auto" else ("nixl" if nixl_available() else "copy")
+    report = json.dumps(run_transfer_bench(kind, args.device, args.reps), indent=2)
+    print(report)
+    if args.json:
+        args.json.write_text(report + "\n")
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from scd_store.bench.quality import QualityConfig, run_quality
     from scd_store.cli.tables import print_quality
@@ -166,6 +180,13 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--bundle", type=Path, help="time a real calibrated pair (default: random-init model)")
     decode.add_argument("--consumer", default="smollm2-135m-shakespeare", help="the consumer of --bundle")
     decode.set_defaults(func=_bench_decode)
+
+    transfer = bench.add_parser("transfer", help="blob reads from another process's registered memory (NIXL)")
+    transfer.add_argument("--kind", default="auto", choices=["auto", "nixl", "copy"])
+    transfer.add_argument("--device", default="cpu", help="cpu (DRAM) or cuda (VRAM)")
+    transfer.add_argument("--reps", type=int, default=20)
+    transfer.add_argument("--json", type=Path)
+    transfer.set_defaults(func=_bench_transfer)
 
     cal = sub.add_parser("calibrate", help="fit a code space and distil consumer decoders into a bundle")
     cal.add_argument("--producer", default="smollm2-135m-instruct")
