@@ -93,6 +93,7 @@ class BlobSource(ABC):
     def info(self) -> SourceInfo:
         """What readers need to connect."""
 
+    @abstractmethod
     def close(self) -> None:
         """Release the region."""
 
@@ -114,6 +115,7 @@ class BlobReader(ABC):
     def read(self, source: str, refs: Sequence[BlobRef], timeout_s: float = 2.0) -> list[bytes | None]:
         """The blobs at ``refs`` in one batched transfer; all None when it fails or times out."""
 
+    @abstractmethod
     def close(self) -> None:
         """Release local buffers and connections."""
 

@@ -65,3 +65,6 @@ class CopyBlobReader(BlobReader):
                 else:
                     out.append(data[ref.offset:ref.offset + ref.length].cpu().numpy().tobytes())
         return out
+
+    def close(self) -> None:
+        self._peers.clear()
