@@ -6,7 +6,7 @@ SCD := $(VENV)/bin/scd-store
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: demo test test-fast lint models system-deps install clean
+.PHONY: demo test test-fast lint models system-deps install sglang clean
 
 # The virtual environment: torch first (the CPU build on disk here; never a multi-GB CUDA build
 # pulled in as a dependency), then the project in editable mode with its dev tools.
@@ -18,6 +18,16 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# The SGLang stack for the HiCache backend tests: sglang itself without its dependencies (it pins a
+# CUDA torch), then the few packages its storage modules import.
+SGLANG_STAMP := $(VENV)/.sglang
+$(SGLANG_STAMP): $(STAMP)
+	$(PY) -m pip install -q --no-deps sglang==0.5.23
+	$(PY) -m pip install -q orjson pybase64 pillow IPython triton msgspec
+	touch $(SGLANG_STAMP)
+
+sglang: $(SGLANG_STAMP)
 
 # Debian packages the tests need (a real redis-server; the tests start their own on loopback).
 system-deps:
@@ -33,7 +43,7 @@ demo: $(STAMP) models
 	$(SCD) demo
 
 # pytest's exit code 5 (no tests collected) is not a failure of the set-up.
-test: $(STAMP) system-deps models
+test: $(STAMP) $(SGLANG_STAMP) system-deps models
 	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 test-fast: $(STAMP)

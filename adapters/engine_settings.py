@@ -6,8 +6,10 @@ Both the LMCache plugin and the SGLang backend read the same keys (LMCache: ``ex
 - ``bundles``: calibration bundle directories (a list, or one string of comma-separated paths);
 - ``store_config``: an scd-store YAML (default: ``$SCD_STORE_CONFIG`` or the embedded CPU + disk);
 - ``aliases``: ``{engine model name: bundle model name}``;
-- ``positions`` (LMCache only): ``connector`` (chunk positions from ``MemoryObj.metadata.cached_positions``)
-  or ``batch`` (each put batch starts at position 0).
+- ``positions``: where a stored chunk's absolute position comes from. ``connector`` (default):
+  from the engine (LMCache: ``MemoryObj.metadata.cached_positions``; SGLang: ``prefix_keys``);
+  chunks without one are not stored. ``batch``: when the engine gives none, a put batch is taken
+  to start at position 0 (right only for engines that store whole prompts).
 
 Engines in one process that name the same store config and bundles share one store and service.
 """
@@ -55,12 +57,11 @@ class EngineSettings:
     def from_mapping(cls, values: Mapping[str, Any], prefix: str = "") -> EngineSettings:
         """Read ``{prefix}bundles`` etc. from ``values``; unknown ``{prefix}*`` keys are an error."""
         known = {"bundles", "store_config", "aliases", "positions"}
-        ours = {k[len(prefix):]: v for k, v in values.items() if k.startswith(prefix)} if prefix else dict(values)
-        if prefix:
-            unknown = sorted(set(ours) - known)
-            if unknown:
-                raise SettingsError(f"unknown scd-store settings {[prefix + k for k in unknown]}; known: "
-                                    f"{sorted(prefix + k for k in known)}")
+        ours = {k[len(prefix):]: v for k, v in values.items() if k.startswith(prefix)}
+        unknown = sorted(set(ours) - known)
+        if unknown:
+            raise SettingsError(f"unknown scd-store settings {[prefix + k for k in unknown]}; known: "
+                                f"{sorted(prefix + k for k in known)}")
         bundles = ours.get("bundles", ())
         if isinstance(bundles, str):
             bundles = [b.strip() for b in bundles.split(",") if b.strip()]
