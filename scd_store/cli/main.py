@@ -115,6 +115,28 @@ def _bench_transfer(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_ttft(args: argparse.Namespace) -> int:
+    import json
+
+    from scd_store.bench.ttft import TtftConfig, plot_ttft, run_ttft
+
+    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    if "scd" in methods and not args.bundle:
+        print("bench ttft: the scd method needs --bundle DIR (see `scd-store calibrate`); "
+              "or pass --methods raw,int4,droidspeak", file=sys.stderr)
+        return 2
+    config = TtftConfig(args.consumer, tuple(args.prefix_tokens), args.suffix_tokens, bundle=args.bundle,
+                        repeats=args.repeats, methods=methods,
+                        droidspeak_group=tuple(int(x) for x in args.droidspeak_group.split("-")))
+    report = run_ttft(config)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.json:
+        args.json.write_text(text + "\n")
+        plot_ttft(report, args.json.with_suffix(".png"))
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from scd_store.bench.quality import QualityConfig, run_quality
     from scd_store.cli.tables import print_quality
@@ -187,6 +209,17 @@ def build_parser() -> argparse.ArgumentParser:
     transfer.add_argument("--reps", type=int, default=20)
     transfer.add_argument("--json", type=Path)
     transfer.set_defaults(func=_bench_transfer)
+
+    ttft = bench.add_parser("ttft", help="disaggregated time to first token vs the consumer's own prefill")
+    ttft.add_argument("--consumer", default="smollm2-135m-shakespeare")
+    ttft.add_argument("--bundle", help="calibration bundle for the scd method")
+    ttft.add_argument("--prefix-tokens", type=int, nargs="+", default=[512, 1024, 2048])
+    ttft.add_argument("--suffix-tokens", type=int, default=32)
+    ttft.add_argument("--repeats", type=int, default=3)
+    ttft.add_argument("--methods", default="raw,int4,scd,droidspeak")
+    ttft.add_argument("--droidspeak-group", default="18-24", help="layers [start-stop) droidspeak recomputes")
+    ttft.add_argument("--json", type=Path, help="write the report here (and a PNG plot next to it)")
+    ttft.set_defaults(func=_bench_ttft)
 
     cal = sub.add_parser("calibrate", help="fit a code space and distil consumer decoders into a bundle")
     cal.add_argument("--producer", default="smollm2-135m-instruct")
