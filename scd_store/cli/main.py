@@ -138,13 +138,9 @@ def _bench_ttft(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from scd_store.bench.quality import QualityConfig, run_quality
-    from scd_store.cli.tables import print_quality
-    from scd_store.models import catalog
+    from scd_store.demo.run import DemoConfig, main
 
-    for name in catalog.CONSUMERS:
-        print_quality(run_quality(QualityConfig(name, device=args.device).quick()))
-    return 0
+    return main(DemoConfig(redis_url=args.redis, bundle=args.bundle, new_tokens=args.new_tokens, device=args.device))
 
 
 def _add_store_commands(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:
@@ -238,8 +234,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="keep the bundle's existing code space (stored codes stay valid); only add decoders")
     cal.set_defaults(func=_calibrate)
 
-    demo = sub.add_parser("demo", help="the main job: quick quality tables for every consumer")
+    demo = sub.add_parser("demo", help="the main job: one shared prefill, two fine-tunes served from its codes")
     demo.add_argument("--device", default="cpu")
+    demo.add_argument("--redis", help="add a Redis tier (and keep the registry there), e.g. redis://127.0.0.1:6379")
+    demo.add_argument("--bundle", help="serve this calibration bundle (default: a quick one, calibrated once)")
+    demo.add_argument("--new-tokens", type=int, default=24, help="greedy tokens generated per request")
     demo.set_defaults(func=_demo)
     return parser
 

@@ -32,6 +32,12 @@ def stats_command(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(snapshot, indent=1))
         return 0
+    print_stats(snapshot, source)
+    return 0
+
+
+def print_stats(snapshot: dict[str, Any], source: str) -> None:
+    """The counters and latency tables of a stats snapshot."""
     from rich.console import Console
     from rich.table import Table
 
@@ -49,7 +55,6 @@ def stats_command(args: argparse.Namespace) -> int:
         for h in snapshot["latency"]:
             lat.add_row(h["op"], h["tier"] or "-", str(h["count"]), _fmt_s(h["p50_le_s"]), _fmt_s(h["p99_le_s"]))
         console.print(lat)
-    return 0
 
 
 def _fmt_s(value: float | None) -> str:

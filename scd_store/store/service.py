@@ -53,12 +53,15 @@ class KVService:
 
     ``bundles`` are calibration bundle directories. ``aliases`` maps an engine's model name (e.g.
     a served-model name or checkpoint path) to the name the bundle knows the model by.
+    ``replace_registrations`` lets the bundles overwrite different registry records (for a registry
+    the caller owns, e.g. the demo's).
     """
 
     def __init__(self, store: TieredStore, bundles: Sequence[str | Path], *,
-                 aliases: Mapping[str, str] | None = None) -> None:
+                 aliases: Mapping[str, str] | None = None, replace_registrations: bool = False) -> None:
         self.store = store
         self.aliases = dict(aliases or {})
+        self._replace = replace_registrations
         self._bindings: dict[str, Binding] = {}
         self._producers: dict[str, ProducerView] = {}
         self._consumers: dict[str, ConsumerView] = {}
@@ -86,13 +89,14 @@ class KVService:
         record = Space(space.space_id, producer, space.producer_fingerprint or "unknown", space.fingerprint,
                        codec_id=ScdCodec.codec_id, chunk_size=self.store.chunk_size,
                        raw_kv_bytes_per_token=raw_per_token)
-        self.store.registry.register_space(record)
+        self.store.registry.register_space(record, replace=self._replace)
         self._bind(Binding(producer, "producer", space, ScdCodec(space)))
         for consumer in pair_names(bundle):
             decoder = load_pair(bundle, consumer, space)
             pair_id = pair_id_for(space.space_id, consumer)
             self.store.registry.register_pair(Pair(pair_id, space.space_id, consumer,
-                                                   decoder.consumer_fingerprint or "unknown", decoder.fingerprint))
+                                                   decoder.consumer_fingerprint or "unknown", decoder.fingerprint),
+                                              replace=self._replace)
             self._bind(Binding(consumer, "consumer", space, ScdCodec(space, decoder), pair_id))
         self.store.forget_registry_cache()
 

@@ -1,0 +1,193 @@
+"""The demo: the base model prefills a shared prefix once; two fine-tunes answer requests from its codes.
+
+For each request, side by side with the consumer's own prefill: time to first token, the generated
+text and its agreement with the oracle's greedy text, and bytes fetched against raw KV bytes. The
+store's hit statistics close the run. Everything runs on the embedded store (CPU + disk under the
+data dir) unless ``--redis URL`` adds a Redis tier (and keeps the registry there).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from scd_store.adapters.transformers import LoadedModel, load_model
+from scd_store.adapters.transformers.capture import prefill_capture
+from scd_store.adapters.transformers.inject import generate_greedy
+from scd_store.bench.ttft import first_token
+from scd_store.codecs.kv_state import KVState
+from scd_store.demo.prompts import REQUESTS, SYSTEM_PROMPT
+from scd_store.models import catalog
+from scd_store.paths import data_dir
+from scd_store.store.build import open_store
+from scd_store.store.config import StoreConfig, TierConfig
+from scd_store.store.keys import chunk_hashes
+from scd_store.store.service import KVService
+
+DEMO_CHUNK = 256
+QUICK_CALIBRATION = {"steps": 100, "windows": 40}  # ~6 min for both consumers on 2 cores
+
+
+class DemoError(RuntimeError):
+    """Something the demo needs is missing; the message says how to get it."""
+
+    def __init__(self, message: str, code: int = 2) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True, slots=True)
+class DemoConfig:
+    redis_url: str | None = None
+    bundle: str | None = None
+    new_tokens: int = 24
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.new_tokens <= 0:
+            raise ValueError("new_tokens must be positive")
+
+
+def _load(name: str, device: str) -> LoadedModel:
+    try:
+        return load_model(name, device=device)
+    except (FileNotFoundError, OSError) as exc:
+        raise DemoError(f"model {name!r} is not prepared ({exc}); run `scd-store models prepare` "
+                        "(or `make demo`, which does)") from None
+
+
+def demo_bundle(config: DemoConfig, producer: LoadedModel, consumers: list[LoadedModel], console: Console) -> Path:
+    """The bundle to serve: ``--bundle``, else a quick shared calibration cached by model fingerprints."""
+    if config.bundle:
+        path = Path(config.bundle)
+        if not (path / "space.json").is_file():
+            raise DemoError(f"--bundle {path} is not a calibration bundle (no space.json)")
+        return path
+    key = hashlib.sha256("|".join([producer.fingerprint, *(c.fingerprint for c in consumers),
+                                   str(QUICK_CALIBRATION)]).encode()).hexdigest()[:16]
+    path = data_dir() / "bundles" / f"demo-{key}"
+    if (path / "space.json").is_file() and all((path / "pairs" / f"{c.name}.json").is_file() for c in consumers):
+        console.print(f"code space and decoders: {path} (cached)")
+        return path
+    console.print(f"[bold]No bundle yet: calibrating a quick shared code space for {len(consumers)} consumers "
+                  f"into {path}[/bold] (once; a fuller one: `scd-store calibrate ... --steps 400 --windows 128`)")
+    from scd_store.adapters.transformers.calibrate_cli import calibrate
+
+    tmp = path.with_name(path.name + ".tmp")
+    calibrate(producer.name, [c.name for c in consumers], tmp, budget=0.25, **QUICK_CALIBRATION)
+    tmp.rename(path)
+    return path
+
+
+def demo_store_config(config: DemoConfig) -> StoreConfig:
+    root = data_dir() / "demo-store"
+    if config.redis_url:
+        tiers = (TierConfig("cpu", max_bytes="256MiB"), TierConfig("redis", url=config.redis_url))
+        return StoreConfig(tiers=tiers, chunk_size=DEMO_CHUNK)
+    tiers = (TierConfig("cpu", max_bytes="256MiB"), TierConfig("disk", path=str(root / "disk"), max_bytes="2GiB"))
+    return StoreConfig(tiers=tiers, chunk_size=DEMO_CHUNK, registry_path=str(root / "registry.json"))
+
+
+def _agreement(a: list[int], b: list[int]) -> float:
+    n = max(len(a), len(b))
+    return sum(x == y for x, y in zip(a, b, strict=False)) / n if n else 1.0
+
+
+def _concat(states: list[KVState]) -> KVState:
+    return KVState(torch.cat([s.keys for s in states], dim=2), torch.cat([s.values for s in states], dim=2),
+                   start=states[0].start)
+
+
+def _short(text: str, width: int = 60) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
+def serve_consumer(service: KVService, consumer: LoadedModel, prefix_ids: torch.Tensor, hashes: list[bytes],
+                   config: DemoConfig, console: Console) -> list[dict]:
+    rows = []
+    for request in REQUESTS[consumer.name]:
+        req_ids = torch.tensor(consumer.tokenizer(request, add_special_tokens=False)["input_ids"])
+        full = torch.cat([prefix_ids, req_ids])
+        t0 = time.perf_counter()
+        first_token(consumer.model, None, full)
+        own_ttft = time.perf_counter() - t0
+        oracle = generate_greedy(consumer.model, None, full, config.new_tokens)
+
+        read_before = service.store.stats.value("bytes_read")
+        t0 = time.perf_counter()
+        states = service.get(consumer.name, hashes, device=config.device)
+        state = _concat(states) if states else None
+        covered = state.num_tokens if state is not None else 0
+        first_token(consumer.model, state, full[covered:])
+        scd_ttft = time.perf_counter() - t0
+        fetched = service.store.stats.value("bytes_read") - read_before
+        text_ids = generate_greedy(consumer.model, state, full[covered:], config.new_tokens)
+        layout = service.binding(consumer.name).space.layout
+        raw_bytes = covered * 2 * layout.num_layers * layout.kv_heads * layout.head_dim * 2
+        rows.append({"request": request, "own_ttft_ms": own_ttft * 1e3, "scd_ttft_ms": scd_ttft * 1e3,
+                     "covered": covered, "fetched": fetched, "raw_bytes": raw_bytes,
+                     "agreement": _agreement(text_ids, oracle),
+                     "text": consumer.tokenizer.decode(text_ids), "oracle": consumer.tokenizer.decode(oracle)})
+    table = Table(title=f"{consumer.name}: {len(prefix_ids)}-token shared prefix "
+                        f"({rows[0]['covered']} tokens from codes)")
+    for column in ("request", "TTFT own", "TTFT scd", "fetched / raw KV", "agree", "scd text", "own text"):
+        table.add_column(column, overflow="fold")
+    for r in rows:
+        ratio = f"{r['fetched'] / 2**20:.2f} / {r['raw_bytes'] / 2**20:.2f} MiB" if r["raw_bytes"] else "miss"
+        table.add_row(_short(r["request"], 28), f"{r['own_ttft_ms']:.0f} ms", f"{r['scd_ttft_ms']:.0f} ms", ratio,
+                      f"{r['agreement']:.0%}", _short(r["text"]), _short(r["oracle"]))
+    console.print(table)
+    return rows
+
+
+def run_demo(config: DemoConfig) -> int:
+    console = Console()
+    producer = _load(catalog.PRODUCER, config.device)
+    consumers = [_load(name, config.device) for name in catalog.CONSUMERS]
+    bundle = demo_bundle(config, producer, consumers, console)
+    try:
+        store = open_store(demo_store_config(config))
+    except Exception as exc:
+        raise DemoError(f"cannot open the store: {exc}", code=3) from None
+    try:
+        try:
+            service = KVService(store, [bundle], replace_registrations=True)
+        except Exception as exc:
+            raise DemoError(f"cannot register the bundle {bundle}: {exc}", code=3) from None
+        prefix_ids = torch.tensor(producer.tokenizer(SYSTEM_PROMPT)["input_ids"])
+        hashes = chunk_hashes(prefix_ids.tolist(), DEMO_CHUNK)
+        t0 = time.perf_counter()
+        produced, _ = prefill_capture(producer.model, prefix_ids[:len(hashes) * DEMO_CHUNK])
+        prefill_s = time.perf_counter() - t0
+        chunks = [KVState(produced.keys[:, :, i:i + DEMO_CHUNK].contiguous(),
+                          produced.values[:, :, i:i + DEMO_CHUNK].contiguous(), start=i)
+                  for i in range(0, produced.num_tokens, DEMO_CHUNK)]
+        service.put(producer.name, hashes, chunks)
+        store.flush()
+        console.print(f"[bold]{producer.name}[/bold] prefilled the shared prefix once: {len(prefix_ids)} tokens "
+                      f"in {prefill_s * 1e3:.0f} ms; {len(chunks)} chunks of {DEMO_CHUNK} stored as codes "
+                      f"({bundle.name}).")
+        for consumer in consumers:
+            serve_consumer(service, consumer, prefix_ids, hashes, config, console)
+        from scd_store.cli.store_cmds import print_stats
+
+        print_stats(store.stats.snapshot(), "this demo run")
+    finally:
+        store.close()
+    return 0
+
+
+def main(config: DemoConfig) -> int:
+    try:
+        return run_demo(config)
+    except DemoError as exc:
+        print(f"scd-store demo: {exc}", file=sys.stderr)
+        return exc.code
