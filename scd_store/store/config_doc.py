@@ -72,7 +72,8 @@ def reference() -> str:
              *_table(StoreConfig, STORE_DOCS), "", "## Tier (`TierConfig`, one entry of `tiers`)", "",
              *_table(TierConfig, TIER_DOCS), "", "## Environment", "", "| variable | meaning |", "| --- | --- |",
              *[f"| `{k}` | {v} |" for k, v in ENV], "", "## Example", "", "```yaml", "store:",
-             "  tiers:", "    - {kind: cpu, max_bytes: 2GiB}", "    - {kind: disk, path: /var/lib/scd, max_bytes: 64GiB}",
+             "  tiers:", "    - {kind: cpu, max_bytes: 2GiB}",
+             "    - {kind: disk, path: /var/lib/scd, max_bytes: 64GiB}",
              "    - {kind: redis, url: 'rediss://scd:secret@redis.internal:6380/0', ttl_s: 86400}",
              "  op_timeout_s: 1.0", "  metrics_port: 9464", "```", ""]
     return "\n".join(lines)
