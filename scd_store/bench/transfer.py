@@ -6,7 +6,8 @@ bytes, JSON inside: no pickle). This process connects a reader and reads batches
 (16 x 64 KiB blobs) and 64 MiB (64 x 1 MiB blobs), checking every byte against the same seeded
 blobs. Reported per batch size: first read (connection set-up included), then the median and p99
 of steady reads into the reader's registered buffer (views, no copy) and the throughput at the
-median, and the median of reads copied out into ``bytes``.
+median, the median of reads copied out into ``bytes``, and an in-process ``memcpy`` of the same
+bytes measured in the same run (``vs_memcpy`` = memcpy time / read time).
 """
 
 from __future__ import annotations
@@ -86,6 +87,19 @@ class SourceProcess:
         self.close()
 
 
+def _memcpy_median_s(nbytes: int, reps: int) -> float:
+    """This machine's reference: one in-process copy of the same bytes."""
+    src = np.ones(nbytes, np.uint8)
+    dst = np.empty_like(src)
+    dst[:] = src
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dst[:] = src
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def run_transfer_bench(kind: str = "nixl", device: str = "cpu", reps: int = 20) -> dict[str, Any]:
     report: dict[str, Any] = {"kind": kind, "device": device, "reps": reps, "batches": {}}
     with SourceProcess(kind, device) as source:
@@ -111,13 +125,15 @@ def run_transfer_bench(kind: str = "nixl", device: str = "cpu", reps: int = 20) 
                 reader.read(name, refs, timeout_s=30.0)
                 copied.append(time.perf_counter() - t0)
             median = statistics.median(times)
+            memcpy = _memcpy_median_s(count * size, reps)
             nbytes = count * size
             report["batches"][label] = {
                 "blobs": count, "blob_bytes": size, "bytes": nbytes, "bytes_identical": identical,
                 "first_ms": round(first * 1e3, 3), "median_ms": round(median * 1e3, 3),
                 "p99_ms": round(sorted(times)[min(len(times) - 1, int(0.99 * len(times)))] * 1e3, 3),
                 "gib_per_s": round(nbytes / median / 2**30, 3),
-                "median_ms_copied_out": round(statistics.median(copied) * 1e3, 3)}
+                "median_ms_copied_out": round(statistics.median(copied) * 1e3, 3),
+                "memcpy_ms": round(memcpy * 1e3, 3), "vs_memcpy": round(memcpy / median, 3)}
         reader.close()
     return report
 
