@@ -22,9 +22,8 @@ def test_demo_serves_both_consumers_from_codes(producer, shakespeare, tmp_path, 
     for consumer, corpus in ((shakespeare, "shakespeare"), (python, "python")):
         decoder, _ = distil_decoder(producer, consumer, space, corpus, config, progress=False)
         save_pair(bundle, decoder)
-    monkeypatch.setenv("SCD_STORE_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("COLUMNS", "240")
-    assert main(DemoConfig(bundle=str(bundle), new_tokens=4)) == 0
+    assert main(DemoConfig(bundle=str(bundle), new_tokens=4, store_dir=str(tmp_path / "store"))) == 0
     out = capsys.readouterr().out
     for name in catalog.CONSUMERS:
         assert f"{name}:" in out and "tokens from codes" in out

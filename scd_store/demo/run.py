@@ -25,6 +25,7 @@ from scd_store.bench.ttft import first_token
 from scd_store.codecs.kv_state import KVState
 from scd_store.demo.prompts import REQUESTS, SYSTEM_PROMPT
 from scd_store.models import catalog
+from scd_store.models.prepare import ModelNotPrepared
 from scd_store.paths import data_dir
 from scd_store.store.build import open_store
 from scd_store.store.config import StoreConfig, TierConfig
@@ -49,6 +50,7 @@ class DemoConfig:
     bundle: str | None = None
     new_tokens: int = 24
     device: str = "cpu"
+    store_dir: str | None = None  # the embedded store's directory (default: <data dir>/demo-store)
 
     def __post_init__(self) -> None:
         if self.new_tokens <= 0:
@@ -58,7 +60,7 @@ class DemoConfig:
 def _load(name: str, device: str) -> LoadedModel:
     try:
         return load_model(name, device=device)
-    except (FileNotFoundError, OSError) as exc:
+    except (ModelNotPrepared, FileNotFoundError, OSError) as exc:
         raise DemoError(f"model {name!r} is not prepared ({exc}); run `scd-store models prepare` "
                         "(or `make demo`, which does)") from None
 
@@ -87,7 +89,7 @@ def demo_bundle(config: DemoConfig, producer: LoadedModel, consumers: list[Loade
 
 
 def demo_store_config(config: DemoConfig) -> StoreConfig:
-    root = data_dir() / "demo-store"
+    root = Path(config.store_dir) if config.store_dir else data_dir() / "demo-store"
     if config.redis_url:
         tiers = (TierConfig("cpu", max_bytes="256MiB"), TierConfig("redis", url=config.redis_url))
         return StoreConfig(tiers=tiers, chunk_size=DEMO_CHUNK)
