@@ -48,7 +48,9 @@ class CalibrationConfig:
     lr_weight: float = 1e-4
     lr_bias: float = 1e-3
     seed: int = 0
-    splits: tuple[str, ...] = ("calib", "train")  # corpus splits windows are drawn from: never "eval"
+    # corpus splits windows are drawn from, never "eval"; not "train" by default: the consumer was fine-tuned
+    # on it, so its own prefill there is over-confident and decoders distilled on it carry over worse
+    splits: tuple[str, ...] = ("calib",)
     patch_layers: int = 0  # k: layers whose K / V the consumer regenerates (PATCH); 0 = REUSE only
     patch_source: str = "hidden"  # "hidden": code H_in at those layers; "kv": aligners on REUSE output
     patch_units: int = 128  # aligner MLP width

@@ -67,12 +67,16 @@ def _bench_pareto(args: argparse.Namespace) -> int:
 
 def _calibrate(args: argparse.Namespace) -> int:
     import json
+    from dataclasses import replace
 
+    from scd_store.adapters.transformers.calibrate import CalibrationConfig
     from scd_store.adapters.transformers.calibrate_cli import calibrate
 
+    base = replace(CalibrationConfig(), splits=tuple(args.splits.split(","))) if args.splits else None
     print(json.dumps(calibrate(args.producer, args.consumer, args.out, budget=args.budget or [0.25],
                                steps=args.steps, windows=args.windows, reuse_space=args.reuse_space,
-                               patch_layers=args.patch_layers or [0], patch_source=args.patch_source), indent=2))
+                               patch_layers=args.patch_layers or [0], patch_source=args.patch_source,
+                               base_config=base), indent=2))
     return 0
 
 
@@ -225,6 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="coded bits per dimension against fp16 (default 0.25); repeat for a sweep")
     cal.add_argument("--steps", type=int, default=None, help="distillation steps per consumer")
     cal.add_argument("--windows", type=int, default=None, help="distillation windows per consumer")
+    cal.add_argument("--splits", help="comma-separated corpus splits for calibration text (default: calib; "
+                                      "never eval)")
     cal.add_argument("--patch-layers", type=int, action="append",
                      help="k: layers the consumers regenerate (PATCH), chosen on calibration text (default 0); "
                           "repeat for a sweep (bundles OUT/b<budget>-k<k>)")
