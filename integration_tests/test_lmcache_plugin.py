@@ -144,3 +144,19 @@ def test_engine_shape_that_does_not_fit_the_space_fails(setup):
                                local_worker_id=0, kv_dtype=torch.float16, kv_shape=(5, 2, CHUNK, HEADS, DIM))
     with pytest.raises(SettingsError, match="does not match space"):
         ScdStoragePlugin(dst_device="cpu", config=config, metadata=metadata, local_cpu_backend=object())
+
+
+def test_kv_the_space_cannot_code_is_not_stored(setup, caplog):
+    bundle, store_yaml, instances = setup
+    config = plugin_config([bundle], store_yaml, CHUNK)
+    kv = producer_kv()
+    kv[0, 0, 20, 0] = float("nan")  # inside chunk 1
+    tokens = torch.arange(50, 50 + TOKENS)
+    name, producer = make_engine(PRODUCER, config, kv, HEADS)
+    instances.append(name)
+    with caplog.at_level(logging.WARNING, logger="scd_store.adapters.lmcache"):
+        producer.store(tokens)
+    assert "NaN or inf" in caplog.text
+    name, consumer = make_engine("consumer-a", config, torch.zeros_like(kv), HEADS)
+    instances.append(name)
+    assert consumer.lookup(tokens) == 0  # the whole batch was refused: nothing half-stored

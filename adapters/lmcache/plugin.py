@@ -145,7 +145,11 @@ class ScdStoragePlugin(StoragePluginInterface):
             return None  # consumers never write; their own chunks stay in LMCache's other tiers
         states = self._states(objs)
         if states is not None:
-            self.service.put(model, [chunk_hash_bytes(k.chunk_hash) for k in keys], states)
+            try:
+                self.service.put(model, [chunk_hash_bytes(k.chunk_hash) for k in keys], states)
+            except ValueError as exc:  # KV the space cannot code: nothing is stored, the engine goes on
+                log.warning("scd-store: not storing %d chunks of %r: %s", len(keys), model, exc)
+                return None
             if on_complete_callback is not None:
                 for key in keys:
                     try:

@@ -115,8 +115,14 @@ class ScdHiCacheStorage(HiCacheStorage):
         page = self.mem_pool_host.page_size
         states = [read_page(self.mem_pool_host, int(host_indices[i * page]), start + i * page)
                   for i in range(len(keys))]
-        stored = self.service.put(self.model, [page_hash_bytes(k) for k in keys], states)
-        return [stored == len(keys)] * len(keys)
+        return [self._put(keys, states)] * len(keys)
+
+    def _put(self, keys: list[str], states: list[KVState]) -> bool:
+        try:
+            return self.service.put(self.model, [page_hash_bytes(k) for k in keys], states) == len(keys)
+        except ValueError as exc:  # KV the space cannot code: nothing is stored, the engine goes on
+            log.warning("scd-store: not storing %d pages of %r: %s", len(keys), self.model, exc)
+            return False
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
@@ -159,7 +165,7 @@ class ScdHiCacheStorage(HiCacheStorage):
         pool = self.mem_pool_host
         states: list[KVState] = [state_from_flat(v, pool.layout, pool.layer_num, pool.head_num, pool.head_dim,
                                                  start + i * pool.page_size) for i, v in enumerate(values)]
-        return self.service.put(self.model, [page_hash_bytes(k) for k in keys], states) == len(keys)
+        return self._put(keys, states)
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
         return self.batch_set([key], [value])

@@ -138,8 +138,20 @@ class CodeSpace:
         centred = (features - self.mean.to(features)).transpose(0, 1)  # [G, T, C]
         return torch.bmm(centred, self.basis.to(features)).transpose(0, 1)
 
+    def check_state(self, state: KVState) -> None:
+        """Raise ``ValueError`` naming the problem unless ``state`` is KV this space can encode."""
+        layout = self.layout
+        want = (layout.num_layers, layout.kv_heads, layout.head_dim)
+        got = (state.num_layers, state.num_kv_heads, state.head_dim)
+        if got != want:
+            raise ValueError(f"code space {self.space_id}: KV of (layers, kv_heads, head_dim) {got}, the space "
+                             f"was calibrated for {want}")
+        if not (bool(torch.isfinite(state.keys).all()) and bool(torch.isfinite(state.values).all())):
+            raise ValueError(f"code space {self.space_id}: KV holds NaN or inf values; refusing to encode")
+
     def encode(self, state: KVState) -> bytes:
         """Serialise ``state`` (the producer's prefix KV at its absolute positions)."""
+        self.check_state(state)
         sinks = max(0, min(self.sink_tokens - state.start, state.num_tokens))
         tensors: dict[str, torch.Tensor] = {}
         if sinks:

@@ -144,3 +144,15 @@ def test_reuse_space_fingerprint_is_stable():
     bits = torch.tensor([6, 5, 4, 4, 3, 2, 0, 0]).repeat(4, 1)
     space = CodeSpace("golden", layout, mean, basis, sigma, bits, sink_tokens=4)
     assert space.fingerprint == "1409d4060b2660c45e41d27c19b45317"
+
+
+def test_encode_refuses_kv_it_cannot_code_with_a_clear_error():
+    space = fitted_space(budget=0.3)
+    codec = ScdCodec(space)
+    good = correlated_state(8)
+    with pytest.raises(ValueError, match="calibrated for"):
+        codec.encode(KVState(good.keys[:1].contiguous(), good.values[:1].contiguous()))
+    bad = good.keys.clone()
+    bad[0, 0, 3, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN or inf"):
+        codec.encode(KVState(bad, good.values))
