@@ -74,8 +74,10 @@ def unpack(payload: bytes | bytearray | memoryview, codec_id: str | None = None
     try:
         header = json.loads(bytes(view[_PREFIX.size:head_end]))
         found_codec, meta, entries = header["codec"], header["meta"], header["tensors"]
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
         raise PayloadError(f"malformed header: {exc}") from None
+    if not isinstance(found_codec, str) or not isinstance(meta, dict) or not isinstance(entries, list):
+        raise PayloadError("malformed header: codec must be a string, meta an object, tensors a list")
     if codec_id is not None and found_codec != codec_id:
         raise PayloadError(f"payload is codec {found_codec!r}, expected {codec_id!r}")
     base = head_end + _pad(head_end)
@@ -83,19 +85,22 @@ def unpack(payload: bytes | bytearray | memoryview, codec_id: str | None = None
     end = base
     for entry in entries:
         try:
-            dtype = _DTYPES[entry["dtype"]]
+            name, dtype = entry["name"], _DTYPES[entry["dtype"]]
             shape = [int(s) for s in entry["shape"]]
             start, nbytes = base + int(entry["offset"]), int(entry["nbytes"])
         except (KeyError, TypeError, ValueError) as exc:
             raise PayloadError(f"malformed tensor entry: {exc}") from None
+        if not isinstance(name, str) or name in tensors:
+            raise PayloadError(f"tensor names must be distinct strings, got {name!r}")
         count = 1
         for s in shape:
             count *= s
-        if min(shape, default=1) < 0 or nbytes != count * dtype.itemsize or start + nbytes > len(view):
-            raise PayloadError(f"tensor {entry.get('name')!r}: size or bounds do not match its header")
+        if min(shape, default=1) < 0 or nbytes < 0 or nbytes != count * dtype.itemsize or start < end \
+                or start + nbytes > len(view):
+            raise PayloadError(f"tensor {name!r}: size or bounds do not match its header")
         raw = torch.frombuffer(bytearray(view[start:start + nbytes]), dtype=torch.uint8) if nbytes else \
             torch.empty(0, dtype=torch.uint8)
-        tensors[str(entry["name"])] = raw.view(dtype).reshape(shape)
+        tensors[name] = raw.view(dtype).reshape(shape)
         end = max(end, start + nbytes + _pad(nbytes))
     if len(view) != end:
         raise PayloadError(f"payload is {len(view)} bytes, its header describes {end}")

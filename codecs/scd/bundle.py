@@ -37,21 +37,29 @@ def _write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
+def parse_manifest(text: str | bytes, kind: str, where: str = "manifest") -> dict:
+    """A manifest's JSON, checked: an object of this format, ``kind`` and version. Raises :class:`BundleError`."""
+    try:
+        manifest = json.loads(text)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise BundleError(f"{where}: not valid JSON ({exc})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("kind") != kind:
+        raise BundleError(f"{where}: not an scd {kind} manifest")
+    version = manifest.get("format_version")
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise BundleError(f"{where}: format_version must be an integer, got {version!r}")
+    if version > FORMAT_VERSION:
+        raise BundleError(f"{where}: bundle format {version} is newer than this scd-store understands "
+                          f"({FORMAT_VERSION}); upgrade scd-store")
+    if version != FORMAT_VERSION:
+        raise BundleError(f"{where}: unsupported bundle format version {version}")
+    return manifest
+
+
 def _read_manifest(path: Path, kind: str) -> dict:
     if not path.exists():
         raise BundleError(f"no {kind} manifest at {path}")
-    try:
-        manifest = json.loads(path.read_text())
-    except ValueError as exc:
-        raise BundleError(f"{path}: not valid JSON ({exc})") from None
-    if manifest.get("format") != FORMAT or manifest.get("kind") != kind:
-        raise BundleError(f"{path}: not an scd {kind} manifest")
-    if int(manifest.get("format_version", -1)) > FORMAT_VERSION:
-        raise BundleError(f"{path}: bundle format {manifest['format_version']} is newer than this scd-store "
-                          f"understands ({FORMAT_VERSION}); upgrade scd-store")
-    if int(manifest.get("format_version", -1)) != FORMAT_VERSION:
-        raise BundleError(f"{path}: unsupported bundle format version {manifest.get('format_version')}")
-    return manifest
+    return parse_manifest(path.read_bytes(), kind, str(path))
 
 
 def read_space_manifest(bundle: Path) -> dict:
