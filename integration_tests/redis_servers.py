@@ -43,20 +43,27 @@ class RedisServer:
     """One ``redis-server`` on 127.0.0.1. ``kill`` / ``restart`` keep the port (for outage tests)."""
 
     def __init__(self, directory: str | os.PathLike[str] | None = None, *, port: int | None = None,
-                 cluster: bool = False, extra: tuple[str, ...] = ()) -> None:
+                 cluster: bool = False, extra: tuple[str, ...] = (), tls: Path | None = None) -> None:
         self.dir = Path(directory or tempfile.mkdtemp(prefix="scd-redis-"))
         self.dir.mkdir(parents=True, exist_ok=True)
         self.cluster = cluster
         self.port = port or free_port(cluster)
         self.extra = extra
+        self.tls = tls  # a directory from make_tls_certs: TLS only (no plain port), client certs optional
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
+        if self.tls is not None:
+            return f"rediss://127.0.0.1:{self.port}/0?ssl_ca_certs={self.tls / 'ca.crt'}"
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> RedisServer:
-        args = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
+        ports = ["--port", str(self.port)] if self.tls is None else [
+            "--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(self.tls / "server.crt"),
+            "--tls-key-file", str(self.tls / "server.key"), "--tls-ca-cert-file", str(self.tls / "ca.crt"),
+            "--tls-auth-clients", "optional"]
+        args = [REDIS_SERVER, *ports, "--bind", "127.0.0.1", "--dir", str(self.dir),
                 "--save", "", "--appendonly", "no", "--protected-mode", "yes", "--daemonize", "no",
                 "--loglevel", "warning", "--logfile", str(self.dir / "redis.log")]
         if self.cluster:
@@ -74,7 +81,8 @@ class RedisServer:
         raise RuntimeError(f"redis-server on port {self.port} did not answer within {timeout}s")
 
     def cli(self, *args: str, check: bool = True) -> str:
-        result = subprocess.run([REDIS_CLI, "-h", "127.0.0.1", "-p", str(self.port), *args], capture_output=True,
+        tls = [] if self.tls is None else ["--tls", "--cacert", str(self.tls / "ca.crt")]
+        result = subprocess.run([REDIS_CLI, "-h", "127.0.0.1", "-p", str(self.port), *tls, *args], capture_output=True,
                                 text=True, timeout=10, check=False)
         if check and result.returncode != 0:
             raise RuntimeError(f"redis-cli {' '.join(args)}: {result.stderr.strip()}")
@@ -105,6 +113,24 @@ class RedisServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def make_tls_certs(directory: Path) -> Path:
+    """A self-signed CA, a server certificate for 127.0.0.1 and a client certificate, made with openssl."""
+    directory.mkdir(parents=True, exist_ok=True)
+
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True, timeout=60)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=scd-test-ca",
+        "-keyout", "ca.key", "-out", "ca.crt")
+    (directory / "san.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for name in ("server", "client"):
+        run("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN=scd-test-{name}", "-keyout", f"{name}.key",
+            "-out", f"{name}.csr")
+        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+            "-days", "2", "-extfile", "san.cnf", "-out", f"{name}.crt")
+    return directory
 
 
 class RedisCluster:

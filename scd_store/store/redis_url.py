@@ -7,7 +7,10 @@ Accepted forms::
     redis+cluster://[user[:password]@]host:port[,host:port...]   Cluster (seed nodes); rediss+cluster for TLS
     redis+sentinel://[user[:password]@]host:port[,host:port...]/service_name[/db]   Sentinel; rediss+sentinel
 
-A ``?cluster=true`` query on a ``redis://`` / ``rediss://`` URL also selects Cluster.
+A ``?cluster=true`` query on a ``redis://`` / ``rediss://`` URL also selects Cluster. TLS options
+(``rediss`` schemes) go in the query: ``ssl_ca_certs`` (CA bundle path, e.g. for a self-signed
+server certificate), ``ssl_certfile`` / ``ssl_keyfile`` (client certificate), ``ssl_cert_reqs``
+(``required`` (default), ``optional``, ``none``) and ``ssl_check_hostname`` (``true`` / ``false``).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class RedisTarget:
     db: int
     service_name: str | None
     url: str
+    tls_options: tuple[tuple[str, Any], ...] = ()
 
     def redacted(self) -> str:
         """The URL with the password hidden (for logs)."""
@@ -90,7 +94,35 @@ def parse_redis_url(url: str) -> RedisTarget:
         raise RedisURLError("a standalone Redis URL takes one host; use redis+cluster:// or redis+sentinel://")
     if mode == "cluster" and db != 0:
         raise RedisURLError("Redis Cluster has only database 0")
-    return RedisTarget(mode, scheme.startswith("rediss"), tuple(hosts), username, password, db, service_name, url)
+    tls = scheme.startswith("rediss")
+    return RedisTarget(mode, tls, tuple(hosts), username, password, db, service_name, url, _tls_options(query, tls))
+
+
+TLS_KEYS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname")
+
+
+def _tls_options(query: dict[str, list[str]], tls: bool) -> tuple[tuple[str, Any], ...]:
+    given = {k: v[-1] for k, v in query.items() if k.startswith("ssl_")}
+    if not given:
+        return ()
+    if not tls:
+        raise RedisURLError(f"TLS options {sorted(given)} need a rediss:// URL")
+    unknown = sorted(set(given) - set(TLS_KEYS))
+    if unknown:
+        raise RedisURLError(f"unknown TLS options {unknown}; known: {', '.join(TLS_KEYS)}")
+    options: dict[str, Any] = {k: given[k] for k in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile") if k in given}
+    if "ssl_cert_reqs" in given:
+        if given["ssl_cert_reqs"] not in ("none", "optional", "required"):
+            raise RedisURLError(f"ssl_cert_reqs must be none, optional or required, got {given['ssl_cert_reqs']!r}")
+        options["ssl_cert_reqs"] = given["ssl_cert_reqs"]
+    if "ssl_check_hostname" in given:
+        flag = given["ssl_check_hostname"].lower()
+        if flag not in ("true", "false", "1", "0", "yes", "no"):
+            raise RedisURLError(f"ssl_check_hostname must be true or false, got {flag!r}")
+        options["ssl_check_hostname"] = flag in ("true", "1", "yes")
+    if ("ssl_certfile" in options) != ("ssl_keyfile" in options):
+        raise RedisURLError("a client certificate needs both ssl_certfile and ssl_keyfile")
+    return tuple(sorted(options.items()))
 
 
 def _common(target: RedisTarget, socket_timeout: float | None, connect_timeout: float | None) -> dict[str, Any]:
@@ -101,6 +133,7 @@ def _common(target: RedisTarget, socket_timeout: float | None, connect_timeout: 
         kwargs["password"] = target.password
     if target.tls:
         kwargs["ssl"] = True
+        kwargs.update(dict(target.tls_options))
     return kwargs
 
 
