@@ -83,9 +83,43 @@ def add_stats_parser(sub: Any) -> None:
     stats.set_defaults(func=stats_command)
 
 
+def bench_soak_command(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from scd_store.bench.soak import SoakConfig, run_soak
+    from scd_store.bench.store import _start_redis
+
+    proc = None
+    url = args.redis
+    with tempfile.TemporaryDirectory() as work:
+        if url is None:
+            proc, port = _start_redis(Path(work))
+            url = f"redis://127.0.0.1:{port}/0"
+        try:
+            report = run_soak(SoakConfig(url, threads=args.threads, processes=args.processes,
+                                         threads_per_process=args.threads_per_process, ops=args.ops))
+        finally:
+            if proc is not None:
+                proc.kill()
+                proc.wait()
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.json:
+        args.json.write_text(text + "\n")
+    return 0 if report["torn_reads"] == 0 and report["lost_writes"] == 0 else 1
+
+
 def add_bench_store_parser(bench: Any) -> None:
     store = bench.add_parser("store", help="tier throughput / latency against memcpy, file I/O and raw Redis")
     store.add_argument("--json", type=Path, help="write the full report here")
     store.add_argument("--quick", action="store_true", help="fewer operations per size")
     store.add_argument("--tiers", nargs="+", default=["cpu", "disk", "redis"], choices=["cpu", "disk", "redis"])
     store.set_defaults(func=bench_store_command)
+    soak = bench.add_parser("soak", help="concurrent clients (threads + processes) on CPU + Redis tiers")
+    soak.add_argument("--redis", help="a Redis URL (default: start a redis-server on a free loopback port)")
+    soak.add_argument("--threads", type=int, default=16)
+    soak.add_argument("--processes", type=int, default=2)
+    soak.add_argument("--threads-per-process", type=int, default=8)
+    soak.add_argument("--ops", type=int, default=100_000)
+    soak.add_argument("--json", type=Path)
+    soak.set_defaults(func=bench_soak_command)
