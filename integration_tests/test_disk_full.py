@@ -1,0 +1,70 @@
+"""A full disk under the disk tier (a small tmpfs): requests complete, errors are counted, the tier recovers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import pytest
+
+from scd_store.store.registry import FileRegistry, Pair, Space
+from scd_store.store.store import TieredStore
+from scd_store.store.tiers.cpu import CpuTier
+from scd_store.store.tiers.disk import DiskTier
+
+TOKENS = list(range(4 * 8))
+PAYLOADS = [bytes([i]) * (40 << 10) for i in range(8)]
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    mount = tmp_path / "fs"
+    mount.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mount)], capture_output=True,
+                            check=False)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {result.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_full_disk_is_a_counted_miss_and_recovers(small_fs, tmp_path):
+    registry = FileRegistry(tmp_path / "registry.json")
+    registry.register_space(Space("sp", "prod", "p-fp", "s-fp", chunk_size=4))
+    registry.register_pair(Pair("pair", "sp", "cons", "c-fp", "pair-fp"))
+    filler = small_fs / "filler"
+    filler.write_bytes(b"\0" * (400 << 10))  # leaves ~100 KiB: two 40 KiB blobs fit, then ENOSPC
+    disk = DiskTier(small_fs / "store", 64 << 20)
+    store = TieredStore([CpuTier(16 << 20), disk], registry, chunk_size=4, backoff_min_s=0.05, backoff_max_s=0.2,
+                        put_timeout_s=5.0)
+    try:
+        t0 = time.monotonic()
+        store.put("sp", TOKENS, PAYLOADS, producer="prod", codec_id="raw")
+        store.flush()
+        assert time.monotonic() - t0 < 10  # nothing hangs
+        assert store.stats.value("tier_errors", tier=disk.name) >= 1
+        chunks = store.get("pair", TOKENS, consumer="cons")  # served from the CPU tier regardless
+        assert [bytes(c.payload) for c in chunks] == PAYLOADS
+        leftovers = [p for p in (small_fs / "store").rglob("*") if p.name.endswith(".tmp")]
+        assert leftovers == []  # no half-written files left behind
+        on_disk = store._loop.run(disk.contains_many(store_keys(store)), timeout=5)
+        assert 0 < sum(on_disk) < len(PAYLOADS)
+        # free the space: the next write probes the tier, it recovers by itself, later writes reach the disk
+        # (writes offered while the tier is in backoff are dropped and counted as rejected_blobs)
+        os.unlink(filler)
+        time.sleep(0.3)
+        for _ in range(2):
+            store.put("sp", TOKENS, PAYLOADS, producer="prod", codec_id="raw")
+            store.flush()
+            time.sleep(0.3)
+        assert all(store._loop.run(disk.contains_many(store_keys(store)), timeout=5))
+        assert store.stats.value("rejected_blobs", tier=disk.name) > 0
+    finally:
+        store.close()
+
+
+def store_keys(store: TieredStore) -> list[str]:
+    from scd_store.store.keys import chunk_keys
+
+    return chunk_keys("sp", TOKENS, store.chunk_size)
