@@ -157,6 +157,9 @@ class KVService:
 
         Unknown models and producers (whose own cache is raw) get ``[]``; a chunk whose payload the
         codec refuses ends the run (it is counted, never decoded into garbage)."""
+        device = torch.device(device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {device} requested but CUDA is not available here; use device='cpu'")
         binding = self.binding(model)
         if binding is None or binding.role != "consumer":
             self.store.stats.inc("refused_requests")
