@@ -8,7 +8,9 @@ pure function of its chunk key, so every read can be checked byte for byte:
 - **torn reads**: a get that returns bytes other than the key's payload (must be 0);
 - **lost acknowledged writes**: after all clients finish and the write queues drain, every chunk
   a put acknowledged must be in Redis (the lowest tier; the small CPU tier evicts on purpose);
-- throughput, p50 / p99 per operation, peak RSS of each process.
+- throughput, p50 / p99 per operation, peak RSS of each process;
+- then every parser of stored or transferred bytes is fuzzed (``fuzz_inputs`` per parser, see
+  :mod:`scd_store.bench.fuzz`): any exception other than the parser's documented error fails the run.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from scd_store.bench.fuzz import fuzz_all
 from scd_store.store.keys import chunk_keys
 from scd_store.store.registry import Pair, RedisRegistry, Space
 from scd_store.store.store import TieredStore
@@ -51,6 +54,7 @@ class SoakConfig:
     max_bytes: int = 64 << 10
     cpu_tier_bytes: int = 4 << 20  # small: eviction pressure
     seed: int = 0
+    fuzz_inputs: int = 0  # per parser; the soak CLI runs 100,000
 
     def __post_init__(self) -> None:
         if self.threads < 0 or self.processes < 0 or self.threads + self.processes * self.threads_per_process <= 0:
@@ -183,6 +187,7 @@ def run_soak(config: SoakConfig) -> dict[str, Any]:
         "torn_reads": sum(p["torn"] for p in parts), "acknowledged_chunks": len(acked), "lost_writes": lost,
         "peak_rss_mib": [round(p["peak_rss_mib"], 1) for p in parts],
         "store_counters": {k: sum(p["stats"][k] for p in parts) for k in parts[0]["stats"]},
+        "fuzz": fuzz_all(config.fuzz_inputs) if config.fuzz_inputs else {},
         "config": asdict(config),
     }
 

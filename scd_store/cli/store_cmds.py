@@ -97,7 +97,8 @@ def bench_soak_command(args: argparse.Namespace) -> int:
             url = f"redis://127.0.0.1:{port}/0"
         try:
             report = run_soak(SoakConfig(url, threads=args.threads, processes=args.processes,
-                                         threads_per_process=args.threads_per_process, ops=args.ops))
+                                         threads_per_process=args.threads_per_process, ops=args.ops,
+                                         fuzz_inputs=args.fuzz_inputs))
         finally:
             if proc is not None:
                 proc.kill()
@@ -121,5 +122,6 @@ def add_bench_store_parser(bench: Any) -> None:
     soak.add_argument("--processes", type=int, default=2)
     soak.add_argument("--threads-per-process", type=int, default=8)
     soak.add_argument("--ops", type=int, default=100_000)
+    soak.add_argument("--fuzz-inputs", type=int, default=100_000, help="fuzzed inputs per parser (0: skip)")
     soak.add_argument("--json", type=Path)
     soak.set_defaults(func=bench_soak_command)

@@ -44,8 +44,11 @@ def refs_to_json(refs: Sequence[BlobRef]) -> bytes:
 
 def refs_from_json(data: bytes) -> list[BlobRef]:
     try:
-        return [BlobRef(str(k), int(o), int(n)) for k, o, n in json.loads(data)]
-    except (ValueError, TypeError) as exc:
+        items = json.loads(data)
+        if not isinstance(items, list) or not all(isinstance(i, list) and len(i) == 3 for i in items):
+            raise TypeError("expected a list of [key, offset, length]")
+        return [BlobRef(str(k), int(o), int(n)) for k, o, n in items]
+    except (ValueError, TypeError, RecursionError) as exc:
         raise TransferError(f"malformed blob refs: {exc}") from None
 
 
@@ -72,13 +75,13 @@ class SourceInfo:
         try:
             (n,) = _LEN.unpack_from(data)
             header = json.loads(data[_LEN.size:_LEN.size + n])
-            if header.get("format") != INFO_FORMAT:
-                raise TransferError(f"not scd-store transfer info (format {header.get('format')!r})")
+            if not isinstance(header, dict) or header.get("format") != INFO_FORMAT:
+                raise TransferError("not scd-store transfer info")
             if header.get("version") != INFO_VERSION:
                 raise TransferError(f"transfer info version {header.get('version')} is not {INFO_VERSION}")
             return cls(str(header["name"]), str(header["kind"]), str(header["mem_type"]), int(header["base"]),
                        int(header["size"]), int(header["device_id"]), bytes(data[_LEN.size + n:]))
-        except (struct.error, ValueError, KeyError, TypeError) as exc:
+        except (struct.error, ValueError, KeyError, TypeError, RecursionError) as exc:
             raise TransferError(f"malformed transfer info: {exc}") from None
 
 
