@@ -88,19 +88,24 @@ def test_unknown_model_misses_with_a_log_line(setup, caplog):
     assert stranger.lookup(tokens) == 0
 
 
-def test_without_chunk_positions_nothing_is_stored(setup, caplog):
+def refused_store(setup, caplog, kv: torch.Tensor, tokens: torch.Tensor, warning: str,
+                  record_positions: bool = True) -> None:
+    """The producer stores ``tokens``; the plugin logs ``warning``, stores nothing, the consumer misses."""
     bundle, store_yaml, instances = setup
     config = plugin_config([bundle], store_yaml, CHUNK)
-    kv = producer_kv()
-    tokens = torch.arange(7, 7 + TOKENS)
-    name, producer = make_engine(PRODUCER, config, kv, HEADS, record_positions=False)
+    name, producer = make_engine(PRODUCER, config, kv, HEADS, record_positions=record_positions)
     instances.append(name)
     with caplog.at_level(logging.WARNING, logger="scd_store.adapters.lmcache"):
         producer.store(tokens)
-    assert "records no chunk positions" in caplog.text
+    assert warning in caplog.text
     name, consumer = make_engine("consumer-a", config, torch.zeros_like(kv), HEADS)
     instances.append(name)
-    assert consumer.lookup(tokens) == 0
+    assert consumer.lookup(tokens) == 0  # the whole batch was refused: nothing half-stored
+
+
+def test_without_chunk_positions_nothing_is_stored(setup, caplog):
+    refused_store(setup, caplog, producer_kv(), torch.arange(7, 7 + TOKENS), "records no chunk positions",
+                  record_positions=False)
 
 
 def test_batch_positions_mode_stores_whole_prompts(setup):
@@ -147,16 +152,6 @@ def test_engine_shape_that_does_not_fit_the_space_fails(setup):
 
 
 def test_kv_the_space_cannot_code_is_not_stored(setup, caplog):
-    bundle, store_yaml, instances = setup
-    config = plugin_config([bundle], store_yaml, CHUNK)
     kv = producer_kv()
     kv[0, 0, 20, 0] = float("nan")  # inside chunk 1
-    tokens = torch.arange(50, 50 + TOKENS)
-    name, producer = make_engine(PRODUCER, config, kv, HEADS)
-    instances.append(name)
-    with caplog.at_level(logging.WARNING, logger="scd_store.adapters.lmcache"):
-        producer.store(tokens)
-    assert "NaN or inf" in caplog.text
-    name, consumer = make_engine("consumer-a", config, torch.zeros_like(kv), HEADS)
-    instances.append(name)
-    assert consumer.lookup(tokens) == 0  # the whole batch was refused: nothing half-stored
+    refused_store(setup, caplog, kv, torch.arange(50, 50 + TOKENS), "NaN or inf")

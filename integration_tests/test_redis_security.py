@@ -36,6 +36,17 @@ def round_trip(url: str, tmp_path) -> list[bytes]:
         store.close()
 
 
+def assert_misses_with_errors(url: str, tmp_path) -> None:
+    """Every request against ``url`` completes as a miss, counted as tier errors."""
+    store = TieredStore([RedisTier(url)], registry(tmp_path), chunk_size=4, op_timeout_s=1.0)
+    try:
+        store.put("sec", TOKENS, PAYLOADS, producer="producer-m", codec_id="raw")
+        assert store.get("sec-pair", TOKENS, consumer="consumer-m") == []
+        assert store.stats.value("tier_errors") >= 1
+    finally:
+        store.close()
+
+
 def test_acl_user_reads_and_writes_and_bad_credentials_are_misses(tmp_path):
     with RedisServer(tmp_path / "redis") as server:
         server.cli("ACL", "SETUSER", "scd", "on", ">s3cret", "~scd:*", "+@all")
@@ -43,15 +54,7 @@ def test_acl_user_reads_and_writes_and_bad_credentials_are_misses(tmp_path):
         url = f"redis://scd:s3cret@127.0.0.1:{server.port}/0"
         assert round_trip(url, tmp_path) == PAYLOADS
         assert parse_redis_url(url).redacted() == f"redis://scd:***@127.0.0.1:{server.port}/0"
-        # a wrong password: every request completes as a miss, counted as tier errors
-        store = TieredStore([RedisTier(f"redis://scd:wrong@127.0.0.1:{server.port}/0")], registry(tmp_path),
-                            chunk_size=4, op_timeout_s=1.0)
-        try:
-            store.put("sec", TOKENS, PAYLOADS, producer="producer-m", codec_id="raw")
-            assert store.get("sec-pair", TOKENS, consumer="consumer-m") == []
-            assert store.stats.value("tier_errors") >= 1
-        finally:
-            store.close()
+        assert_misses_with_errors(f"redis://scd:wrong@127.0.0.1:{server.port}/0", tmp_path)
         # the registry lives in Redis under the same user (keys scd:__registry__:*)
         reg = RedisRegistry(url)
         reg.register_space(SPACE)
@@ -67,14 +70,7 @@ def test_tls_with_a_self_signed_certificate(tmp_path):
         client = (f"{server.url}&ssl_certfile={certs / 'client.crt'}&ssl_keyfile={certs / 'client.key'}")
         assert round_trip(client, tmp_path) == PAYLOADS
         # without the CA the server's certificate is not trusted: misses, not garbage
-        store = TieredStore([RedisTier(f"rediss://127.0.0.1:{server.port}/0")], registry(tmp_path), chunk_size=4,
-                            op_timeout_s=1.0)
-        try:
-            store.put("sec", TOKENS, PAYLOADS, producer="producer-m", codec_id="raw")
-            assert store.get("sec-pair", TOKENS, consumer="consumer-m") == []
-            assert store.stats.value("tier_errors") >= 1
-        finally:
-            store.close()
+        assert_misses_with_errors(f"rediss://127.0.0.1:{server.port}/0", tmp_path)
 
 
 @pytest.mark.parametrize("url, match", [

@@ -25,13 +25,15 @@ def correlated_state(tokens: int, start: int = 0, seed: int = 0) -> KVState:
     return KVState(keys.contiguous(), values.contiguous(), start=start)
 
 
-def tiny_space(budget: float = 0.4, space_id: str = "tiny-space") -> CodeSpace:
+def tiny_space(budget: float = 0.4, space_id: str = "tiny-space", sinks: int = 2,
+               producer_fingerprint: str = "producer-fp") -> CodeSpace:
+    """A code space fitted to :func:`correlated_state` KV."""
     feats = torch.cat([to_features(correlated_state(64, seed=s), LAYOUT) for s in range(4)])
     x = feats.transpose(0, 1).double()
     mean = x.mean(1)
     cov = torch.einsum("gtc,gtd->gcd", x - mean[:, None], x - mean[:, None]) / x.shape[1]
-    return CodeSpace.from_statistics(space_id, LAYOUT, mean, cov, budget, sink_tokens=2,
-                                     producer_fingerprint="producer-fp")
+    return CodeSpace.from_statistics(space_id, LAYOUT, mean, cov, budget, sink_tokens=sinks,
+                                     producer_fingerprint=producer_fingerprint)
 
 
 def write_tiny_bundle(path: Path, consumers: tuple[str, ...] = ("consumer-a",), budget: float = 0.4,

@@ -7,27 +7,13 @@ from scd_store.codecs import KVState, PayloadError
 from scd_store.codecs.scd.bundle import BundleError, load_pair, load_space, save_pair, save_space
 from scd_store.codecs.scd.codec import ScdCodec
 from scd_store.codecs.scd.decoder import PairDecoder
-from scd_store.codecs.scd.layout import KVLayout, to_features
+from scd_store.codecs.scd.layout import KVLayout
 from scd_store.codecs.scd.space import CodeSpace
-
-LAYOUT = KVLayout(num_layers=2, kv_heads=2, head_dim=8, rope_theta=1e4)
-
-
-def correlated_state(tokens: int, start: int = 0, seed: int = 0) -> KVState:
-    g = torch.Generator().manual_seed(seed)
-    mix = torch.randn(16, 16, generator=torch.Generator().manual_seed(99))
-    keys = (torch.randn(2, 2, tokens, 16, generator=g) @ mix)[..., :8]
-    values = (torch.randn(2, 2, tokens, 16, generator=g) @ mix)[..., 8:]
-    return KVState(keys.contiguous(), values.contiguous(), start=start)
+from tests.bundles import LAYOUT, correlated_state, tiny_space
 
 
 def fitted_space(budget: float, sinks: int = 2) -> CodeSpace:
-    feats = torch.cat([to_features(correlated_state(64, seed=s), LAYOUT) for s in range(4)])
-    x = feats.transpose(0, 1).double()
-    mean = x.mean(1)
-    cov = torch.einsum("gtc,gtd->gcd", x - mean[:, None], x - mean[:, None]) / x.shape[1]
-    return CodeSpace.from_statistics("test", LAYOUT, mean, cov, budget, sink_tokens=sinks,
-                                     producer_fingerprint="prod-fp")
+    return tiny_space(budget, "test", sinks, "prod-fp")
 
 
 def rel(a, b):
