@@ -34,6 +34,16 @@ the director reorders the second act. The stage manager wants a printed call she
 by time, with the actor's name, the room and the scenes. The writers asked for help with the storm scene: \
 the verse should quicken as the wind rises, and THOMAS should speak last.
 
+From the user's history. Last week you helped the writers cut the first act by a fifth without losing \
+the harbour-master's opening speech, and you helped the engineers replace a tangle of global variables in \
+the lighting script with a small class that loads cues from a file and validates every row. The director \
+liked the plain style of both. She asked that new scenes keep the short, hard consonants of the sea \
+speeches, that no character explain the plot to another, and that every scene end on an image rather than \
+a summary. The engineers asked that new code keep the same shape as the cue loader: one small module per \
+job, a dataclass for every record, and a test beside it that reads a tiny sample file. Both teams meet on \
+Friday to run the storm scene with the new cue package for the first time, so this week's answers should \
+help them get there.
+
 """
 
 REQUESTS: dict[str, list[str]] = {
