@@ -13,5 +13,7 @@ def test_concurrent_clients_no_torn_reads_no_lost_writes(tmp_path):
     counters = report["store_counters"]
     assert counters["evictions"] > 0  # the CPU tier was under pressure
     assert counters["corrupt_blobs"] == 0 and counters["rejected_blobs"] == 0 and counters["tier_errors"] == 0
-    assert max(report["peak_rss_mib"]) < 2048
+    # worker processes start fresh, so their peak is the store's own footprint under this load
+    # (this process's peak also holds whatever earlier tests loaded, e.g. the real models)
+    assert max(report["peak_rss_mib"][1:]) < 1024
     assert report["per_op"]["get"]["p99_ms"] > 0

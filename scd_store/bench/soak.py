@@ -185,6 +185,7 @@ def run_soak(config: SoakConfig) -> dict[str, Any]:
         "per_op": {k: {"count": len(v), "p50_ms": round(_quantile(v, 0.5) * 1e3, 3),
                        "p99_ms": round(_quantile(v, 0.99) * 1e3, 3)} for k, v in latency.items()},
         "torn_reads": sum(p["torn"] for p in parts), "acknowledged_chunks": len(acked), "lost_writes": lost,
+        # this process first (its peak includes whatever it held before the soak), then each worker process
         "peak_rss_mib": [round(p["peak_rss_mib"], 1) for p in parts],
         "store_counters": {k: sum(p["stats"][k] for p in parts) for k in parts[0]["stats"]},
         "fuzz": fuzz_all(config.fuzz_inputs) if config.fuzz_inputs else {},
