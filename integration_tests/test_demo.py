@@ -29,6 +29,7 @@ def test_demo_serves_both_consumers_from_codes(producer, shakespeare, tmp_path, 
         assert f"{name}:" in out and "tokens from codes" in out
     assert "prefilled the shared prefix once" in out and "hit_chunks" in out
     assert "miss" not in out.split("prefilled")[1].split("scd-store counters")[0]  # every request was served
+    assert out.count("from codes:") == 6 and out.count("own prefill:") == 6
 
 
 def test_demo_says_what_is_missing(tmp_path, capsys):

@@ -41,7 +41,7 @@ def print_stats(snapshot: dict[str, Any], source: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(width=max(Console().width, 140))
     table = Table(title=f"scd-store counters ({source})")
     for column in ("counter", "tier", "space", "pair", "value"):
         table.add_column(column, justify="right" if column == "value" else "left")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from scd_store.adapters.transformers import LoadedModel, load_model
@@ -97,9 +98,11 @@ def demo_store_config(config: DemoConfig) -> StoreConfig:
     return StoreConfig(tiers=tiers, chunk_size=DEMO_CHUNK, registry_path=str(root / "registry.json"))
 
 
-def _agreement(a: list[int], b: list[int]) -> float:
+def _agreement(a: list[int], b: list[int]) -> tuple[int, float]:
+    """Tokens ``a`` shares with ``b`` before they first differ, and the position-wise match rate."""
+    common = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
     n = max(len(a), len(b))
-    return sum(x == y for x, y in zip(a, b, strict=False)) / n if n else 1.0
+    return common, (sum(x == y for x, y in zip(a, b, strict=False)) / n if n else 1.0)
 
 
 def _concat(states: list[KVState]) -> KVState:
@@ -108,8 +111,9 @@ def _concat(states: list[KVState]) -> KVState:
 
 
 def _short(text: str, width: int = 60) -> str:
+    """One line of at most ``width`` characters, with rich markup escaped (code has brackets)."""
     text = " ".join(text.split())
-    return text if len(text) <= width else text[:width - 1] + "…"
+    return escape(text if len(text) <= width else text[:width - 1] + "…")
 
 
 def serve_consumer(service: KVService, consumer: LoadedModel, prefix_ids: torch.Tensor, hashes: list[bytes],
@@ -136,22 +140,27 @@ def serve_consumer(service: KVService, consumer: LoadedModel, prefix_ids: torch.
         raw_bytes = covered * 2 * layout.num_layers * layout.kv_heads * layout.head_dim * 2
         rows.append({"request": request, "own_ttft_ms": own_ttft * 1e3, "scd_ttft_ms": scd_ttft * 1e3,
                      "covered": covered, "fetched": fetched, "raw_bytes": raw_bytes,
-                     "agreement": _agreement(text_ids, oracle),
+                     "agreement": _agreement(text_ids, oracle), "new_tokens": len(oracle),
                      "text": consumer.tokenizer.decode(text_ids), "oracle": consumer.tokenizer.decode(oracle)})
     table = Table(title=f"{consumer.name}: {len(prefix_ids)}-token shared prefix "
-                        f"({rows[0]['covered']} tokens from codes)")
-    for column in ("request", "TTFT own", "TTFT scd", "fetched / raw KV", "agree", "scd text", "own text"):
-        table.add_column(column, overflow="fold")
+                        f"({rows[0]['covered']} tokens from codes, the rest prefilled with the request)")
+    for column in ("request", "TTFT own", "TTFT scd", "speed-up", "fetched / raw KV", "same first tokens"):
+        table.add_column(column)
     for r in rows:
         ratio = f"{r['fetched'] / 2**20:.2f} / {r['raw_bytes'] / 2**20:.2f} MiB" if r["raw_bytes"] else "miss"
-        table.add_row(_short(r["request"], 28), f"{r['own_ttft_ms']:.0f} ms", f"{r['scd_ttft_ms']:.0f} ms", ratio,
-                      f"{r['agreement']:.0%}", _short(r["text"]), _short(r["oracle"]))
+        common, _ = r["agreement"]
+        table.add_row(_short(r["request"], 40), f"{r['own_ttft_ms']:.0f} ms", f"{r['scd_ttft_ms']:.0f} ms",
+                      f"{r['own_ttft_ms'] / r['scd_ttft_ms']:.1f}x", ratio, f"{common} of {r['new_tokens']}")
     console.print(table)
+    for r in rows:
+        console.print(f"[bold]{_short(r['request'], 40)}[/bold]  (position-wise agreement {r['agreement'][1]:.0%})")
+        console.print(f"  own prefill: {_short(r['oracle'], 150)}")
+        console.print(f"  from codes:  {_short(r['text'], 150)}")
     return rows
 
 
 def run_demo(config: DemoConfig) -> int:
-    console = Console()
+    console = Console(width=max(Console().width, 140))
     producer = _load(catalog.PRODUCER, config.device)
     consumers = [_load(name, config.device) for name in catalog.CONSUMERS]
     bundle = demo_bundle(config, producer, consumers, console)
