@@ -136,13 +136,25 @@ def run_clients(config: SoakConfig, threads: int, ops_each: int, first_id: int) 
     store.close()
     merged: dict[str, Any] = {"latency": {k: [] for k in ("put", "get", "lookup")}, "acked": [], "torn": 0,
                               "elapsed_s": elapsed, "stats": stats,
-                              "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+                              "peak_rss_mib": peak_rss_mib()}
     for r in results:
         for k, v in r["latency"].items():
             merged["latency"][k].extend(v)
         merged["acked"].extend(r["acked"])
         merged["torn"] += r["torn"]
     return merged
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set (VmHWM: per address space, so an exec'd worker does not inherit
+    its parent's peak as ``ru_maxrss`` does)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _quantile(values: list[float], q: float) -> float:
