@@ -41,11 +41,17 @@ class KVLayout:
     def to_dict(self) -> dict:
         return asdict(self)
 
-    def check(self, state: KVState) -> None:
+    @property
+    def fp16_bytes_per_token(self) -> int:
+        """Raw fp16 K and V bytes of one token over all layers: the reference for payload ratios."""
+        return 2 * self.num_layers * self.width * 2
+
+    def check(self, state: KVState, owner: str = "the code space") -> None:
+        """Raise ``ValueError`` unless ``state`` has this geometry (``owner`` names who expects it)."""
         got = (state.num_layers, state.num_kv_heads, state.head_dim)
-        if got != (self.num_layers, self.kv_heads, self.head_dim):
-            raise ValueError(f"KV of (layers, kv_heads, head_dim) = {got} does not match the code space's "
-                             f"{(self.num_layers, self.kv_heads, self.head_dim)}")
+        want = (self.num_layers, self.kv_heads, self.head_dim)
+        if got != want:
+            raise ValueError(f"{owner}: KV of (layers, kv_heads, head_dim) {got}, calibrated for {want}")
 
 
 def to_features(state: KVState, layout: KVLayout) -> torch.Tensor:

@@ -140,12 +140,7 @@ class CodeSpace:
 
     def check_state(self, state: KVState) -> None:
         """Raise ``ValueError`` naming the problem unless ``state`` is KV this space can encode."""
-        layout = self.layout
-        want = (layout.num_layers, layout.kv_heads, layout.head_dim)
-        got = (state.num_layers, state.num_kv_heads, state.head_dim)
-        if got != want:
-            raise ValueError(f"code space {self.space_id}: KV of (layers, kv_heads, head_dim) {got}, the space "
-                             f"was calibrated for {want}")
+        self.layout.check(state, f"code space {self.space_id}")
         if not (bool(torch.isfinite(state.keys).all()) and bool(torch.isfinite(state.values).all())):
             raise ValueError(f"code space {self.space_id}: KV holds NaN or inf values; refusing to encode")
 

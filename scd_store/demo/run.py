@@ -136,8 +136,7 @@ def serve_consumer(service: KVService, consumer: LoadedModel, prefix_ids: torch.
         scd_ttft = time.perf_counter() - t0
         fetched = service.store.stats.value("bytes_read") - read_before
         text_ids = generate_greedy(consumer.model, state, full[covered:], config.new_tokens)
-        layout = service.binding(consumer.name).space.layout
-        raw_bytes = covered * 2 * layout.num_layers * layout.kv_heads * layout.head_dim * 2
+        raw_bytes = covered * service.binding(consumer.name).space.layout.fp16_bytes_per_token
         rows.append({"request": request, "own_ttft_ms": own_ttft * 1e3, "scd_ttft_ms": scd_ttft * 1e3,
                      "covered": covered, "fetched": fetched, "raw_bytes": raw_bytes,
                      "agreement": _agreement(text_ids, oracle), "new_tokens": len(oracle),

@@ -84,11 +84,9 @@ class KVService:
         producer = manifest.get("producer") or ""
         if not producer:
             raise ServiceError(f"{bundle}: the space manifest names no producer model")
-        layout = space.layout
-        raw_per_token = 2 * layout.num_layers * layout.kv_heads * layout.head_dim * 2
         record = Space(space.space_id, producer, space.producer_fingerprint or "unknown", space.fingerprint,
                        codec_id=ScdCodec.codec_id, chunk_size=self.store.chunk_size,
-                       raw_kv_bytes_per_token=raw_per_token)
+                       raw_kv_bytes_per_token=space.layout.fp16_bytes_per_token)
         self.store.registry.register_space(record, replace=self._replace)
         self._bind(Binding(producer, "producer", space, ScdCodec(space)))
         for consumer in pair_names(bundle):
