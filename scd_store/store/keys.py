@@ -98,6 +98,11 @@ def chunk_keys(space_id: str, tokens: Sequence[int] | np.ndarray, chunk_size: in
     return [prefix + h.hex() for h in chunk_hashes(tokens, chunk_size)]
 
 
+def hash_keys(space_id: str, hashes: Sequence[bytes]) -> list[str]:
+    """Keys of engine-computed chunk hashes (16 bytes each, e.g. LMCache's or SGLang's) in ``space_id``."""
+    return [make_key(space_id, h) for h in hashes]
+
+
 def parse_key(key: str) -> tuple[str, str]:
     """Split a key into ``(space_id, chunk_hash_hex)``; raises :class:`KeyError_` on a malformed key."""
     parts = key.split(":") if isinstance(key, str) else []

@@ -27,7 +27,7 @@ import numpy as np
 
 from scd_store.store.blob import Blob, BlobError, BlobMeta, Section, decode_blob, encode_blob
 from scd_store.store.health import TierHealth
-from scd_store.store.keys import chunk_keys, make_key, validate_chunk_size
+from scd_store.store.keys import chunk_keys, hash_keys, validate_chunk_size
 from scd_store.store.loop import LoopThread
 from scd_store.store.registry import Pair, Registry, Space
 from scd_store.store.stats import RedisStatsMirror, StoreStats, write_snapshot_file
@@ -506,12 +506,12 @@ class ProducerView:
     def put_hashes(self, hashes: Sequence[bytes], payloads: Sequence[bytes], token_counts: Sequence[int], *,
                    codec_id: str) -> list[str]:
         """Store payloads under engine-computed chunk hashes (16 bytes each), e.g. LMCache's or SGLang's."""
-        keys = [make_key(self.space.space_id, h) for h in hashes]
+        keys = hash_keys(self.space.space_id, hashes)
         return self.store._put_keys(self.space, keys, payloads, token_counts, codec_id)
 
     def contains_hashes(self, hashes: Sequence[bytes]) -> int:
         """Length of the leading run of ``hashes`` present in any tier."""
-        keys = [make_key(self.space.space_id, h) for h in hashes]
+        keys = hash_keys(self.space.space_id, hashes)
         return self.store._lookup_keys(self.space.space_id, keys).hit_chunks
 
 
@@ -534,10 +534,10 @@ class ConsumerView:
 
     def contains_hashes(self, hashes: Sequence[bytes]) -> int:
         """Length of the leading run of engine-computed chunk ``hashes`` present in any tier."""
-        keys = [make_key(self.space.space_id, h) for h in hashes]
+        keys = hash_keys(self.space.space_id, hashes)
         return self.store._lookup_keys(self.space.space_id, keys, self.pair.pair_id).hit_chunks
 
     def get_hashes(self, hashes: Sequence[bytes]) -> list[CodeChunk]:
         """The verified leading run of chunks stored under engine-computed ``hashes``."""
-        keys = [make_key(self.space.space_id, h) for h in hashes]
+        keys = hash_keys(self.space.space_id, hashes)
         return self.store._get_keys(self.space, keys, self.pair.pair_id)
