@@ -1,11 +1,9 @@
 """SGLang host-pool pages to and from scd-store :class:`KVState`, through the pool's own page accessors.
 
-``get_data_page(index, flat=False)`` shapes per host-pool layout (MHA):
-
-- ``layer_first``: ``[2, layers, page, heads, dim]``
-- ``page_first``: ``[2, page, layers, heads, dim]``
-- ``page_first_direct``: ``[2, 1, layers, page, heads, dim]``
-- ``page_head``: ``[2, 1, heads, page, layers, dim]``
+``get_data_page(index, flat=False)`` shapes per host-pool layout (MHA), after the leading K / V axis
+of 2, are given by :data:`AXES`: ``layer_first`` ``[layers, page, heads, dim]``, ``page_first``
+``[page, layers, heads, dim]``, ``page_first_direct`` ``[1, layers, page, heads, dim]``, ``page_head``
+``[1, heads, page, layers, dim]``.
 """
 
 from __future__ import annotations
@@ -17,7 +15,10 @@ import xxhash
 
 from scd_store.codecs.kv_state import KVState
 
-LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
+# axis order of one of K / V of a page per layout (L layers, H heads, T page tokens, D dim; "1" a unit page axis)
+AXES = {"layer_first": "LTHD", "page_first": "TLHD", "page_first_direct": "1LTHD", "page_head": "1HTLD"}
+LAYOUTS = tuple(AXES)
+STATE_AXES = "LHTD"  # KVState's order
 
 
 def page_hash_bytes(key: str) -> bytes:
@@ -27,23 +28,16 @@ def page_hash_bytes(key: str) -> bytes:
 
 def _to_lhtd(page: torch.Tensor, layout: str) -> torch.Tensor:
     """One of K / V of a page -> ``[layers, heads, tokens, dim]``."""
-    if layout == "layer_first":
-        return page.permute(0, 2, 1, 3)
-    if layout == "page_first":
-        return page.permute(1, 2, 0, 3)
-    if layout == "page_first_direct":
-        return page[0].permute(0, 2, 1, 3)
-    return page[0].permute(3, 0, 1, 2)  # page_head: [heads, page, layers, dim]
+    axes = AXES[layout].lstrip("1")
+    page = page.reshape(page.shape[len(AXES[layout]) - len(axes):])
+    return page.permute(*(axes.index(a) for a in STATE_AXES))
 
 
 def _from_lhtd(x: torch.Tensor, layout: str) -> torch.Tensor:
-    if layout == "layer_first":
-        return x.permute(0, 2, 1, 3)
-    if layout == "page_first":
-        return x.permute(2, 0, 1, 3)
-    if layout == "page_first_direct":
-        return x.permute(0, 2, 1, 3).unsqueeze(0)
-    return x.permute(1, 2, 0, 3).unsqueeze(0)
+    """Inverse of :func:`_to_lhtd`."""
+    axes = AXES[layout]
+    x = x.permute(*(STATE_AXES.index(a) for a in axes.lstrip("1")))
+    return x.reshape((1,) * (len(axes) - x.dim()) + tuple(x.shape))
 
 
 def read_page(pool: Any, host_index: int, start: int) -> KVState:
@@ -60,11 +54,8 @@ def flat_page(state: KVState, layout: str, dtype: torch.dtype) -> torch.Tensor:
 
 def state_from_flat(flat: torch.Tensor, layout: str, layers: int, heads: int, dim: int, start: int) -> KVState:
     """Inverse of :func:`flat_page`."""
-    tokens = flat.numel() // (2 * layers * heads * dim)
-    shape = {"layer_first": (2, layers, tokens, heads, dim), "page_first": (2, tokens, layers, heads, dim),
-             "page_first_direct": (2, 1, layers, tokens, heads, dim),
-             "page_head": (2, 1, heads, tokens, layers, dim)}[layout]
-    page = flat.reshape(shape)
+    sizes = {"1": 1, "L": layers, "H": heads, "T": flat.numel() // (2 * layers * heads * dim), "D": dim}
+    page = flat.reshape(2, *(sizes[a] for a in AXES[layout]))
     return KVState(_to_lhtd(page[0], layout).float().contiguous(), _to_lhtd(page[1], layout).float().contiguous(),
                    start=start)
 
