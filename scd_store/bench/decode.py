@@ -43,7 +43,7 @@ class DecodeBenchConfig:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, not {self.dtype}")
 
 
-def _timed(fn: Callable[[], object], repeats: int, device: str) -> float:
+def timed_median(fn: Callable[[], object], repeats: int, device: str) -> float:
     """Median wall time of ``fn`` in seconds (after one warm-up), synchronising CUDA."""
     def sync() -> None:
         if device.startswith("cuda"):
@@ -93,11 +93,11 @@ def run_decode_bench(config: DecodeBenchConfig, codec: ScdCodec | None = None,
         state, _ = prefill_capture(model, ids, hidden_layers=bench_codec.space.patch_layers)
         payload = bench_codec.encode(state.to(dtype=torch.float32))
         # the consumer's own prefill as a server runs it: logits for the last token only
-        prefill_s = _timed(lambda ids=ids: prefill_capture(model, ids, last_logits_only=True), config.repeats,
+        prefill_s = timed_median(lambda ids=ids: prefill_capture(model, ids, last_logits_only=True), config.repeats,
                            config.device)
-        decode_s = _timed(lambda p=payload, c=bench_codec: c.decode(p, device=config.device, dtype=dtype),
+        decode_s = timed_median(lambda p=payload, c=bench_codec: c.decode(p, device=config.device, dtype=dtype),
                           config.repeats, config.device)
-        encode_s = _timed(lambda s=state, c=bench_codec: c.encode(s), config.repeats, config.device)
+        encode_s = timed_median(lambda s=state, c=bench_codec: c.encode(s), config.repeats, config.device)
         results.append({
             "prefix_tokens": length,
             "payload_bytes": len(payload),

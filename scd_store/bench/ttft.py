@@ -17,10 +17,7 @@ layers of the consumer over the prefix).
 
 from __future__ import annotations
 
-import statistics
 import tempfile
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +29,7 @@ from scd_store.adapters.transformers.compat import cache_kwarg
 from scd_store.adapters.transformers.droidspeak import DroidSpeakCodec, LayerGroup
 from scd_store.adapters.transformers.inject import build_cache
 from scd_store.adapters.transformers.loading import load_model
+from scd_store.bench.decode import timed_median
 from scd_store.bench.windows import eval_windows
 from scd_store.codecs.base import Codec
 from scd_store.codecs.kv_state import KVState
@@ -69,16 +67,6 @@ class TtftConfig:
             raise ValueError("the scd method needs --bundle (a calibration bundle for the consumer)")
 
 
-def _median_s(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 @torch.no_grad()
 def first_token(model: torch.nn.Module, state: KVState | None, ids: torch.Tensor) -> int:
     """Prefill ``ids`` after the prefix in ``state`` (None: no prefix), logits for the last token only."""
@@ -98,7 +86,7 @@ def transfer_overhead_s(repeats: int = 20) -> tuple[float, str]:
             reader = make_reader(kind="nixl")
             name = reader.connect(source.info)
             refs = source.refs[:1]
-            seconds = _median_s(lambda: reader.read(name, refs), repeats)
+            seconds = timed_median(lambda: reader.read(name, refs), repeats, "cpu")
             reader.close()
             return seconds, "nixl"
     from scd_store.store.transfer import make_source
@@ -106,7 +94,7 @@ def transfer_overhead_s(repeats: int = 20) -> tuple[float, str]:
     with make_source(1 << 20, kind="copy") as src, make_reader(kind="copy") as reader:
         refs = src.publish({"b": b"\0" * (64 << 10)})
         name = reader.connect(src.info())
-        return _median_s(lambda: reader.read(name, refs), repeats), "copy"
+        return timed_median(lambda: reader.read(name, refs), repeats, "cpu"), "copy"
 
 
 def store_get_s(payload: bytes, chunk_blobs: int, repeats: int) -> float:
@@ -123,7 +111,7 @@ def store_get_s(payload: bytes, chunk_blobs: int, repeats: int) -> float:
             tokens = list(range(n))
             store.put("ttft", tokens, parts, producer="p", codec_id="bench")
             view = store.consumer("ttft-pair", "c")
-            return _median_s(lambda: view.get(tokens), repeats)
+            return timed_median(lambda: view.get(tokens), repeats, "cpu")
         finally:
             store.close()
 
@@ -164,16 +152,16 @@ def run_ttft(config: TtftConfig, progress: bool = True) -> dict[str, Any]:
     for length in config.prefix_tokens:
         ids = _prefix_ids(consumer, config, length + config.suffix_tokens)
         prefix, suffix = ids[:length], ids[length:]
-        own_s = _median_s(lambda ids=ids: first_token(consumer.model, None, ids), config.repeats)
+        own_s = timed_median(lambda ids=ids: first_token(consumer.model, None, ids), config.repeats, "cpu")
         hidden = sorted(getattr(getattr(codecs.get("scd"), "space", None), "patch_layers", ()) or ())
         residual = [config.droidspeak_group[0]] if "droidspeak" in codecs else []
         produced, _ = prefill_capture(producer.model, prefix, hidden_layers=hidden, residual_layers=residual)
         entry: dict[str, Any] = {"prefix_tokens": length, "own_prefill_ms": round(own_s * 1e3, 2), "methods": {}}
         for name, codec in codecs.items():
             payload = codec.encode(produced)
-            decode_s = _median_s(lambda c=codec, p=payload: c.decode(p), config.repeats)
+            decode_s = timed_median(lambda c=codec, p=payload: c.decode(p), config.repeats, "cpu")
             state = codec.decode(payload)
-            suffix_s = _median_s(lambda s=state, x=suffix: first_token(consumer.model, s, x), config.repeats)
+            suffix_s = timed_median(lambda s=state, x=suffix: first_token(consumer.model, s, x), config.repeats, "cpu")
             get_s = store_get_s(payload, -(-length // config.chunk_tokens), config.repeats)
             compute = decode_s + suffix_s + get_s + overhead
             per_link = {}
