@@ -168,7 +168,7 @@ class KVService:
         states: list[KVState] = []
         for chunk in chunks:
             try:
-                state = binding.codec.decode(bytes(chunk.payload), device=device, dtype=dtype)
+                state = binding.codec.decode(chunk.payload, device=device, dtype=dtype)  # no copy: unpack takes views
             except PayloadError as exc:
                 self.store.stats.inc("corrupt_blobs", tier=chunk.tier, space=binding.space.space_id)
                 log.warning("scd-store: chunk %s refused by the codec: %s", chunk.key, exc)
