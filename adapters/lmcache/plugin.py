@@ -80,7 +80,7 @@ class ScdStoragePlugin(StoragePluginInterface):
             return
         layout = binding.space.layout
         layers, two, _, heads, dim = metadata.kv_shape
-        if (layers, heads, dim) != (layout.num_layers, layout.kv_heads, layout.head_dim) or two != 2:
+        if (layers, heads, dim) != layout.geometry or two != 2:
             raise SettingsError(f"engine KV shape {tuple(metadata.kv_shape)} (layers, 2, chunk, heads, head_dim) does "
                                 f"not match space {binding.space.space_id!r}: {layout.num_layers} layers x "
                                 f"{layout.kv_heads} heads x {layout.head_dim}")

@@ -64,12 +64,10 @@ class ScdHiCacheStorage(HiCacheStorage):
         if layout not in LAYOUTS:
             raise SettingsError(f"host pool layout {layout!r} is not supported (supported: {LAYOUTS})")
         if self.binding is not None:
-            space = self.binding.space.layout
             got = (mem_pool_host.layer_num, mem_pool_host.head_num, mem_pool_host.head_dim)
-            want = (space.num_layers, space.kv_heads, space.head_dim)
-            if got != want:
+            if got != self.binding.space.layout.geometry:
                 raise SettingsError(f"host pool (layers, heads, head_dim) {got} does not match space "
-                                    f"{self.binding.space.space_id!r}: {want}")
+                                    f"{self.binding.space.space_id!r}: {self.binding.space.layout.geometry}")
         self.mem_pool_host = mem_pool_host
 
     def _role(self) -> str:

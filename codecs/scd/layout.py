@@ -42,6 +42,11 @@ class KVLayout:
         return asdict(self)
 
     @property
+    def geometry(self) -> tuple[int, int, int]:
+        """``(layers, kv_heads, head_dim)``: what an engine's KV must match."""
+        return self.num_layers, self.kv_heads, self.head_dim
+
+    @property
     def fp16_bytes_per_token(self) -> int:
         """Raw fp16 K and V bytes of one token over all layers: the reference for payload ratios."""
         return 2 * self.num_layers * self.width * 2
@@ -49,9 +54,8 @@ class KVLayout:
     def check(self, state: KVState, owner: str = "the code space") -> None:
         """Raise ``ValueError`` unless ``state`` has this geometry (``owner`` names who expects it)."""
         got = (state.num_layers, state.num_kv_heads, state.head_dim)
-        want = (self.num_layers, self.kv_heads, self.head_dim)
-        if got != want:
-            raise ValueError(f"{owner}: KV of (layers, kv_heads, head_dim) {got}, calibrated for {want}")
+        if got != self.geometry:
+            raise ValueError(f"{owner}: KV of (layers, kv_heads, head_dim) {got}, calibrated for {self.geometry}")
 
 
 def to_features(state: KVState, layout: KVLayout) -> torch.Tensor:
