@@ -8,17 +8,21 @@ from scd_store.codecs.base import Codec
 from scd_store.codecs.kv_state import KVState
 from scd_store.codecs.scd.decoder import PairDecoder
 from scd_store.codecs.scd.layout import write_token_major
-from scd_store.codecs.scd.patch import apply_patches
+from scd_store.codecs.scd.patch import aligned_kv
 from scd_store.codecs.scd.rope import RopeTable
 from scd_store.codecs.scd.space import CODEC_ID, CodeSpace
+
+# CPU decoding streams a few layers at a time so codes and features stay in cache
+_CPU_STEP_BYTES = 4 << 20
 
 
 class ScdCodec(Codec):
     """Encodes with ``space``; decodes into ``decoder``'s consumer KV (REUSE).
 
-    Decoding is one batched matmul over all layers and tensors (integer codes in, consumer
-    features out, only the components that carry bits), then one pass that moves heads and
-    rotates keys straight into the output cache tensors.
+    Decoding is a batched matmul over layers and tensors (integer codes in, consumer features
+    out, only the components that carry bits), then one pass that moves heads and rotates keys
+    straight into the output cache tensors; on a CPU a few layers at a time, so each step's codes
+    and features stay in cache, on an accelerator all layers at once.
     """
 
     codec_id = CODEC_ID
@@ -35,7 +39,8 @@ class ScdCodec(Codec):
         self.decoder = decoder
         self._rope = RopeTable(space.layout.head_dim, space.layout.rope_theta)
         self._matrices: dict[tuple[str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._patches: dict[str, list] = {}
+        self._patches: dict[str, dict] = {}
+        self._rows: dict[str, torch.Tensor] = {}
 
     def encode(self, state: KVState) -> bytes:
         return self.space.encode(state)
@@ -49,21 +54,33 @@ class ScdCodec(Codec):
             self._matrices[key] = (matrix[:, :active].contiguous(), offset.unsqueeze(1).contiguous())
         return self._matrices[key]
 
-    def _apply_patches(self, features: torch.Tensor, codes, device) -> None:
-        """Overwrite the patch layers' groups of ``features`` ``[G, T, C]`` with the aligners' K / V."""
+    def _gather_rows(self, sorted_row: torch.Tensor, device) -> torch.Tensor:
+        """Per group, the storage rows of its active components: ``[G, active]`` (0-bit -> the zero row)."""
+        key = str(device)
+        if key not in self._rows:
+            layout = self.space.layout
+            rows = sorted_row.view(layout.groups, layout.width)[:, :self.space.active_components]
+            self._rows[key] = rows.contiguous().to(device)
+        return self._rows[key]
+
+    def _patched(self, layer: int, features: torch.Tensor, hidden: torch.Tensor | None, device) -> None:
+        """Overwrite layer ``layer``'s K / V features ``[2, T, C]`` with its aligner's output."""
         key = str(device)
         if key not in self._patches:
-            self._patches[key] = [p.to(device) for p in self.decoder.patches]
-        hidden = None
-        if self.space.hidden is not None:
-            hidden = self.space.hidden.reconstruct(codes.hidden_codes)  # [T, P, D]
-        groups = list(features.unbind(0))
-        with torch.no_grad():
-            apply_patches(groups, self._patches[key], hidden, self.space.patch_layers)
-        for patch in self._patches[key]:
-            for group in (2 * patch.layer, 2 * patch.layer + 1):
-                features[group] = groups[group]
+            self._patches[key] = {p.layer: p.to(device) for p in self.decoder.patches}
+        k, v = aligned_kv(self._patches[key][layer], features[0], features[1], hidden, self.space.patch_layers)
+        features[0], features[1] = k, v
 
+    def _layers_per_step(self, tokens: int, device) -> int:
+        """Layers decoded per batched matmul: all at once on an accelerator; on a CPU as many as keep
+        one step's codes and features within a few MiB of cache."""
+        layers = self.space.layout.num_layers
+        if torch.device(device).type != "cpu":
+            return layers
+        per_layer = 2 * tokens * self.space.layout.width * 4 * 2
+        return max(1, min(layers, _CPU_STEP_BYTES // max(1, per_layer)))
+
+    @torch.no_grad()
     def decode(self, payload: bytes, *, device="cpu", dtype=torch.float32) -> KVState:
         if self.decoder is None:
             raise ValueError("this SCD codec has no consumer decoder: it can encode only")
@@ -77,14 +94,24 @@ class ScdCodec(Codec):
             keys[:, :, :sinks] = codes.sinks.keys
             values[:, :, :sinks] = codes.sinks.values
         coded = codes.num_tokens - sinks
-        if coded:
-            matrix, offset = self._folded(device, torch.float32)
-            active = matrix.shape[1]
-            by_component = codes.codes.t().reshape(layout.groups, layout.width, coded)
-            q = by_component[:, :active].to(torch.float32)  # [G, active, T]
-            features = torch.baddbmm(offset, q.transpose(1, 2), matrix)  # [G, T, C]
-            if self.decoder.patches:
-                self._apply_patches(features, codes, device)
-            write_token_major(features, layout, codes.start + sinks, self._rope, keys[:, :, sinks:],
-                              values[:, :, sinks:])
+        if not coded:
+            return KVState(keys, values, start=codes.start)
+        matrix, offset = self._folded(device, torch.float32)
+        rows = self._gather_rows(codes.sorted_row, device)
+        active = matrix.shape[1]
+        hidden = None
+        if self.space.hidden is not None:
+            hidden = self.space.hidden.reconstruct(codes.hidden_codes)  # [T, P, D]
+        patched = {p.layer for p in self.decoder.patches}
+        step = self._layers_per_step(coded, device)
+        for first in range(0, layout.num_layers, step):
+            last = min(layout.num_layers, first + step)
+            groups = slice(2 * first, 2 * last)
+            q = codes.sorted_codes.index_select(0, rows[groups].flatten()).view(-1, active, coded)
+            features = torch.baddbmm(offset[groups], q.to(torch.float32).transpose(1, 2), matrix[groups])
+            for layer in patched.intersection(range(first, last)):
+                pair = 2 * (layer - first)
+                self._patched(layer, features[pair:pair + 2], hidden, device)
+            write_token_major(features, layout, codes.start + sinks, self._rope, keys[first:last, :, sinks:],
+                              values[first:last, :, sinks:])
         return KVState(keys, values, start=codes.start)

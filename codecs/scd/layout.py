@@ -82,11 +82,11 @@ def from_features(features: torch.Tensor, layout: KVLayout, start: int) -> KVSta
 
 def write_token_major(features: torch.Tensor, layout: KVLayout, start: int, rope: RopeTable,
                       keys_out: torch.Tensor, values_out: torch.Tensor) -> None:
-    """The inference form of :func:`from_features`: write ``[groups, T, C]`` features (as a batched
-    matmul produces them) into ``keys_out`` / ``values_out`` ``[L, H, T, D]`` (any strides), moving
-    heads and rotating keys in one pass per tensor."""
-    _, t, _ = features.shape
-    f = features.view(layout.num_layers, 2, t, layout.kv_heads, layout.head_dim)
+    """The inference form of :func:`from_features`: write ``[2 * L', T, C]`` features of ``L'``
+    consecutive layers (as a batched matmul produces them) into ``keys_out`` / ``values_out``
+    ``[L', H, T, D]`` (any strides), moving heads and rotating keys in one pass per tensor."""
+    groups, t, _ = features.shape
+    f = features.view(groups // 2, 2, t, layout.kv_heads, layout.head_dim)
     cos, sin = rope.get(start, t, features.device, features.dtype)
     rotate_into(keys_out, f[:, 0].permute(0, 2, 1, 3), cos, sin)
     values_out.copy_(f[:, 1].permute(0, 2, 1, 3))

@@ -85,15 +85,21 @@ class PatchAligner:
         return x[..., :width] + h @ self.k_proj.T, x[..., width:] + h @ self.v_proj.T
 
 
+def aligned_kv(patch: PatchAligner, keys: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor | None,
+               hidden_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``patch``'s K / V features for its layer from what it reads: the decoded ``H_in`` (``hidden``
+    ``[..., P, D]`` at ``hidden_layers``) or the layer's REUSE ``keys`` / ``values`` ``[..., C]``."""
+    if patch.source == "hidden":
+        return patch(hidden[..., hidden_layers.index(patch.layer), :])
+    return patch(torch.cat([keys, values], dim=-1))
+
+
 def apply_patches(groups: list[torch.Tensor], patches: list[PatchAligner], hidden: torch.Tensor | None,
                   hidden_layers: tuple[int, ...]) -> None:
     """Replace, in ``groups`` (one ``[..., C]`` tensor per K / V group), the patch layers' entries by
-    their aligners' output. ``hidden`` ``[..., P, D]`` holds the decoded ``H_in`` at ``hidden_layers``.
-    Shared by decoding and by calibration, so both feed the aligners the same inputs."""
+    their aligners' output (:func:`aligned_kv`, which decoding calls too, so both feed the aligners
+    the same inputs)."""
     for patch in patches:
         layer = patch.layer
-        if patch.source == "hidden":
-            x = hidden[..., hidden_layers.index(layer), :]
-        else:
-            x = torch.cat([groups[2 * layer], groups[2 * layer + 1]], dim=-1)
-        groups[2 * layer], groups[2 * layer + 1] = patch(x)
+        groups[2 * layer], groups[2 * layer + 1] = aligned_kv(patch, groups[2 * layer], groups[2 * layer + 1],
+                                                              hidden, hidden_layers)

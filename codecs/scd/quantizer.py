@@ -10,6 +10,7 @@ water-filling done greedily: each extra bit goes where it removes the most weigh
 from __future__ import annotations
 
 import heapq
+from dataclasses import dataclass
 
 import torch
 
@@ -59,93 +60,144 @@ def dequantize(codes: torch.Tensor, sigma: torch.Tensor, bits: torch.Tensor, dty
     return torch.where(bits > 0, z, torch.zeros_like(z))
 
 
-# A w-bit code is stored as power-of-two fields (7 = 4 + 2 + 1 bits, high bits first), each field
-# array packed 8 / p values per byte, so unpacking is a few shifts and masks per byte.
-_FIELDS = {w: tuple(p for p in (8, 4, 2, 1) if w & p) for w in range(1, MAX_BITS + 1)}
+# Packing (payload layout "planes-2"). Components are stored grouped by bit width (8 down to 1,
+# ascending column within a width), component-major: all tokens of one component together. A w-bit
+# width is split into power-of-two parts (7 = 4 + 2 + 1 bits, high bits first); the part values
+# ``P`` (``n`` of them, ``p`` bits each, ``k = 8 / p`` per byte) are stored as ``k`` planes of
+# ``seg = ceil(n / k)`` bytes (rounded up to 8): byte ``j`` holds ``P[i * seg + j]`` at bit ``i * p``.
+# Unpacking plane ``i`` is then one shift and one mask over 64-bit words, written to a contiguous
+# slice, so decoding never touches single values from Python or loops over bits.
+PACKING = "planes-2"
+_PARTS = {w: tuple(p for p in (8, 4, 2, 1) if w & p) for w in range(1, MAX_BITS + 1)}
+_LOW_BYTES = 0x0101010101010101
 
 
-def _field_layout(bits: torch.Tensor) -> list[tuple[torch.Tensor, int, int]]:
-    """``(columns, width, part)`` triples in storage order: widths 8..1, parts high to low."""
-    layout = []
-    for width in range(MAX_BITS, 0, -1):
-        cols = (bits == width).nonzero().flatten()
-        if cols.numel():
-            layout.extend((cols, width, part) for part in _FIELDS[width])
-    return layout
+@dataclass(frozen=True, slots=True)
+class _Width:
+    width: int
+    columns: torch.Tensor  # int64, ascending
+    parts: tuple[tuple[int, int], ...]  # (part bits, shift inside the code), high to low
 
 
-def _part_shift(width: int, part: int) -> int:
-    """Bit offset of ``part`` inside a ``width``-bit code (parts are laid out high to low)."""
-    parts = _FIELDS[width]
-    return sum(parts[parts.index(part) + 1:])
+@dataclass(frozen=True, slots=True)
+class PackingPlan:
+    """Where each component's codes live in a packed payload, for one bit allocation."""
+
+    widths: tuple[_Width, ...]
+    sorted_row: torch.Tensor  # [n] int64: a component's row in :func:`unpack_sorted`'s output (0-bit: the zero row)
+    carried: int  # components with bits (rows before the zero row)
+
+    @classmethod
+    def of(cls, bits: torch.Tensor) -> PackingPlan:
+        flat = bits.detach().flatten().cpu().to(torch.int64)
+        key = flat.numpy().tobytes()
+        plan = _PLANS.get(key)
+        if plan is None:
+            widths, order = [], []
+            for width in range(MAX_BITS, 0, -1):
+                cols = (flat == width).nonzero().flatten()
+                if cols.numel():
+                    parts = _PARTS[width]
+                    shifts = tuple(sum(parts[i + 1:]) for i in range(len(parts)))
+                    widths.append(_Width(width, cols, tuple(zip(parts, shifts, strict=True))))
+                    order.append(cols)
+            carried = sum(int(w.columns.numel()) for w in widths)
+            sorted_row = torch.full((flat.numel(),), carried, dtype=torch.int64)
+            if order:
+                sorted_row[torch.cat(order)] = torch.arange(carried)
+            plan = cls(tuple(widths), sorted_row, carried)
+            if len(_PLANS) >= 64:
+                _PLANS.pop(next(iter(_PLANS)))
+            _PLANS[key] = plan
+        return plan
+
+
+_PLANS: dict[bytes, PackingPlan] = {}
+
+
+def _segment(count: int, part: int) -> int:
+    """Bytes of one plane holding ``count`` values of ``part`` bits (a multiple of 8)."""
+    per_byte = 8 // part
+    plane = -(-count // per_byte)
+    return -(-plane // 8) * 8
 
 
 def packed_size(tokens: int, bits: torch.Tensor) -> int:
     """Bytes :func:`pack_codes` produces for ``tokens`` rows."""
-    total = 0
-    for cols, _, part in _field_layout(bits.cpu()):
-        per_byte = 8 // part
-        total += -(-tokens * cols.numel() // per_byte)
-    return total
+    return sum(_segment(tokens * int(w.columns.numel()), part)
+               for w in PackingPlan.of(bits).widths for part, _ in w.parts)
 
 
 def pack_codes(codes: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
-    """Pack ``codes`` ``[T, n]`` (uint8) using ``bits[j]`` bits for column ``j``; a flat uint8 tensor.
-
-    Fields are stored component-major (all tokens of one column together), so unpacking writes
-    whole contiguous rows of the component-major code matrix.
-    """
+    """Pack ``codes`` ``[T, n]`` (uint8) using ``bits[j]`` bits for column ``j``; a flat uint8 tensor."""
     chunks = []
-    for cols, width, part in _field_layout(bits.cpu()):
-        field = (codes[:, cols.to(codes.device)].t() >> _part_shift(width, part)) & ((1 << part) - 1)
-        chunks.append(_pack_field(field.flatten(), part))
+    tokens = codes.shape[0]
+    for w in PackingPlan.of(bits).widths:
+        values = codes[:, w.columns.to(codes.device)].t().flatten()
+        for part, shift in w.parts:
+            field = (values >> shift) & ((1 << part) - 1) if part < 8 else values
+            seg, per_byte = _segment(tokens * w.columns.numel(), part), 8 // part
+            planes = torch.zeros(per_byte * seg, dtype=torch.uint8, device=codes.device)
+            planes[:field.numel()] = field
+            planes = planes.view(per_byte, seg)
+            packed = planes[0].clone()
+            for i in range(1, per_byte):
+                packed |= planes[i] << (i * part)
+            chunks.append(packed)
     if not chunks:
         return torch.empty(0, dtype=torch.uint8, device=codes.device)
     return torch.cat(chunks)
 
 
+def unpack_sorted(packed: torch.Tensor, tokens: int, bits: torch.Tensor) -> torch.Tensor:
+    """Invert :func:`pack_codes` into ``[carried + 1, tokens]`` uint8 rows in storage order (bit widths
+    high to low) plus a final zero row: ``PackingPlan.of(bits).sorted_row[j]`` is component ``j``'s row."""
+    plan = PackingPlan.of(bits)
+    expected = packed_size(tokens, bits)
+    if packed.numel() != expected:
+        raise ValueError(f"packed codes hold {packed.numel()} bytes, expected {expected}")
+    if packed.storage_offset() % 8:
+        packed = packed.clone()
+    regions, offset = [], 0
+    for w in plan.widths:
+        count = tokens * int(w.columns.numel())
+        region_len = max((8 // part) * _segment(count, part) for part, _ in w.parts)
+        region = torch.empty(region_len // 8, dtype=torch.int64, device=packed.device)
+        scratch = None
+        for n_part, (part, shift) in enumerate(w.parts):
+            seg = _segment(count, part)
+            words = packed[offset:offset + seg].view(torch.int64)
+            offset += seg
+            mask = ((1 << part) - 1) * _LOW_BYTES if part < 8 else -1
+            for i in range(8 // part):
+                out = region[i * seg // 8:(i + 1) * seg // 8]
+                if n_part == 0:
+                    torch.bitwise_right_shift(words, i * part, out=out)
+                    if part < 8:
+                        out &= mask
+                    if shift:
+                        out <<= shift
+                else:
+                    if scratch is None or scratch.numel() < seg // 8:
+                        scratch = torch.empty(seg // 8, dtype=torch.int64, device=packed.device)
+                    tmp = scratch[:seg // 8]
+                    torch.bitwise_right_shift(words, i * part, out=tmp)
+                    tmp &= mask
+                    if shift:
+                        tmp <<= shift
+                    out |= tmp
+        regions.append(region.view(torch.uint8)[:count].view(-1, tokens))
+    regions.append(torch.zeros(1, tokens, dtype=torch.uint8, device=packed.device))
+    return torch.cat(regions)
+
+
 def unpack_codes_by_component(packed: torch.Tensor, tokens: int, bits: torch.Tensor) -> torch.Tensor:
     """Invert :func:`pack_codes` into component-major codes ``[n, tokens]`` (uint8; zero rows for
-    0-bit columns): each field lands as whole contiguous rows."""
-    if packed.numel() != packed_size(tokens, bits):
-        raise ValueError(f"packed codes hold {packed.numel()} bytes, expected {packed_size(tokens, bits)}")
-    codes = torch.zeros(bits.numel(), tokens, dtype=torch.uint8, device=packed.device)
-    offset = 0
-    current: tuple[int, torch.Tensor] | None = None
-    value = None
-    for cols, width, part in _field_layout(bits.cpu()):
-        count = tokens * cols.numel()
-        nbytes = -(-count // (8 // part))
-        field = _unpack_field(packed[offset:offset + nbytes], part, count).view(-1, tokens)
-        offset += nbytes
-        shifted = field << _part_shift(width, part) if _part_shift(width, part) else field
-        if current is None or current[0] != width:
-            if current is not None:
-                codes.index_copy_(0, current[1].to(packed.device), value)
-            current, value = (width, cols), shifted
-        else:
-            value = value | shifted
-    if current is not None:
-        codes.index_copy_(0, current[1].to(packed.device), value)
-    return codes
+    0-bit columns)."""
+    rows = PackingPlan.of(bits).sorted_row.to(packed.device)
+    return unpack_sorted(packed, tokens, bits).index_select(0, rows)
 
 
 def unpack_codes(packed: torch.Tensor, tokens: int, bits: torch.Tensor) -> torch.Tensor:
     """Invert :func:`pack_codes`: codes ``[tokens, n]`` (a transposed view of the component-major codes)."""
     return unpack_codes_by_component(packed, tokens, bits).t()
-
-
-def _pack_field(values: torch.Tensor, part: int) -> torch.Tensor:
-    if part == 8:
-        return values.to(torch.uint8)
-    per_byte = 8 // part
-    values = torch.cat([values, values.new_zeros((-values.numel()) % per_byte)]).view(-1, per_byte)
-    shifts = torch.arange(0, 8, part, dtype=torch.uint8, device=values.device)
-    return (values << shifts).sum(dim=1, dtype=torch.uint8)
-
-
-def _unpack_field(packed: torch.Tensor, part: int, count: int) -> torch.Tensor:
-    if part == 8:
-        return packed[:count]
-    shifts = torch.arange(0, 8, part, dtype=torch.uint8, device=packed.device)
-    return ((packed.unsqueeze(1) >> shifts) & ((1 << part) - 1)).flatten()[:count]

@@ -10,7 +10,16 @@ from scd_store.codecs.fingerprint import tensors_fingerprint
 from scd_store.codecs.kv_state import KVState
 from scd_store.codecs.scd.hidden import HiddenCode
 from scd_store.codecs.scd.layout import KVLayout, to_features
-from scd_store.codecs.scd.quantizer import allocate_bits, dequantize, pack_codes, packed_size, quantize, unpack_codes
+from scd_store.codecs.scd.quantizer import (
+    PACKING,
+    PackingPlan,
+    allocate_bits,
+    dequantize,
+    pack_codes,
+    packed_size,
+    quantize,
+    unpack_sorted,
+)
 from scd_store.codecs.tensor_pack import PayloadError, pack, unpack
 
 CODEC_ID = "scd"
@@ -22,20 +31,26 @@ class SpaceCodes:
 
     start: int
     num_tokens: int
-    codes: torch.Tensor  # [T - sinks, groups * C] uint8 quantiser indices
+    sorted_codes: torch.Tensor  # [carried + 1, T - sinks] uint8, storage order + a zero row (PackingPlan.sorted_row)
+    sorted_row: torch.Tensor  # [groups * C] int64: each component's row in sorted_codes
     sinks: KVState | None  # the first tokens' raw KV (absolute positions < sink_tokens)
     hidden_codes: torch.Tensor | None = None  # [T - sinks, patch layers * hidden size], PATCH spaces only
+
+    @property
+    def codes(self) -> torch.Tensor:
+        """``[T - sinks, groups * C]`` uint8 quantiser indices (a transposed view)."""
+        return self.sorted_codes.index_select(0, self.sorted_row.to(self.sorted_codes.device)).t()
 
 
 def _section(tensors: dict[str, torch.Tensor], name: str, coded: int, bits: torch.Tensor, device
              ) -> torch.Tensor:
-    """Unpacked codes ``[coded, n]`` of one packed payload section, its size checked first."""
+    """Unpacked codes ``[carried + 1, coded]`` in storage order of one packed section, its size checked first."""
     if not coded:
-        return torch.zeros(0, bits.numel(), dtype=torch.uint8, device=device)
+        return torch.zeros(PackingPlan.of(bits).carried + 1, 0, dtype=torch.uint8, device=device)
     packed = tensors[name].to(device)
     if packed.numel() != packed_size(coded, bits):
         raise PayloadError(f"payload section {name} has the wrong size")
-    return unpack_codes(packed, coded, bits)
+    return unpack_sorted(packed, coded, bits)
 
 
 @dataclass(slots=True)
@@ -80,17 +95,27 @@ class CodeSpace:
     @classmethod
     def from_statistics(cls, space_id: str, layout: KVLayout, mean: torch.Tensor, cov: torch.Tensor, budget: float,
                         key_weight: float = 1.0, sink_tokens: int = 4, producer_fingerprint: str = "",
-                        hidden_stats: tuple[tuple[int, ...], torch.Tensor, torch.Tensor] | None = None) -> CodeSpace:
+                        hidden_stats: tuple[tuple[int, ...], torch.Tensor, torch.Tensor] | None = None,
+                        sensitivity: torch.Tensor | None = None) -> CodeSpace:
         """A space from per-group feature means ``[G, C]`` and covariances ``[G, C, C]``: the PCA basis
         (components by decreasing variance) and ``budget`` (coded bits per dimension against fp16)
-        spread over the components by :func:`allocate_bits`, keys' distortion weighted by
-        ``key_weight``. ``hidden_stats`` = (patch layers, ``H_in`` means ``[P, D]``, covariances
-        ``[P, D, D]``) makes a PATCH space: ``H_in`` is coded at the same bits per dimension and the
-        patch layers' K / V groups get none."""
+        spread over the components by :func:`allocate_bits`.
+
+        Distortion weights: with ``sensitivity`` ``[G, C, C]`` (the Fisher information of the model's
+        next-token distribution with respect to each group's features, see docs/scd.md) a component's
+        weight is its Fisher information ``u^T F u``, so bits go where quantisation noise costs the most
+        KL; without it, keys are weighted ``key_weight`` against values. ``hidden_stats`` = (patch
+        layers, ``H_in`` means ``[P, D]``, covariances ``[P, D, D]``) makes a PATCH space: ``H_in`` is
+        coded at the same bits per dimension and the patch layers' K / V groups get none."""
         eigvals, eigvecs = torch.linalg.eigh(cov.double())
         eigvals, eigvecs = eigvals.flip(-1).clamp_min(0), eigvecs.flip(-1)
-        weights = torch.ones_like(eigvals)
-        weights[0::2] = key_weight
+        if sensitivity is not None:
+            if sensitivity.shape != cov.shape:
+                raise ValueError(f"sensitivity {tuple(sensitivity.shape)} does not match the covariances")
+            weights = torch.einsum("gcj,gcd,gdj->gj", eigvecs, sensitivity.double(), eigvecs).clamp_min(0)
+        else:
+            weights = torch.ones_like(eigvals)
+            weights[0::2] = key_weight
         hidden = None
         coded_groups = layout.groups
         if hidden_stats is not None:
@@ -162,7 +187,8 @@ class CodeSpace:
             if self.hidden is not None:
                 hidden_codes = self.hidden.quantize(state.hidden, sinks)
                 tensors["hidden_codes"] = pack_codes(hidden_codes, self.hidden.bits.flatten().to(z.device))
-        meta = {"space": self.fingerprint, "start": state.start, "tokens": state.num_tokens, "sinks": sinks}
+        meta = {"space": self.fingerprint, "packing": PACKING, "start": state.start, "tokens": state.num_tokens,
+                "sinks": sinks}
         return pack(CODEC_ID, meta, tensors)
 
     def unpack(self, payload: bytes, device: torch.device | str = "cpu") -> SpaceCodes:
@@ -171,6 +197,8 @@ class CodeSpace:
         try:
             if meta["space"] != self.fingerprint:
                 raise PayloadError(f"payload belongs to code space {meta['space']}, not {self.fingerprint}")
+            if meta.get("packing") != PACKING:
+                raise PayloadError(f"payload codes are packed as {meta.get('packing')!r}; this build reads {PACKING!r}")
             start, tokens, sinks = int(meta["start"]), int(meta["tokens"]), int(meta["sinks"])
             coded = tokens - sinks
             if start < 0 or coded < 0 or sinks != max(0, min(self.sink_tokens - start, tokens)):
@@ -178,7 +206,9 @@ class CodeSpace:
             codes = _section(t, "codes", coded, self.bits.flatten(), device)
             hidden_codes = None
             if self.hidden is not None:
-                hidden_codes = _section(t, "hidden_codes", coded, self.hidden.bits.flatten(), device)
+                hidden_bits = self.hidden.bits.flatten()
+                hidden_codes = _section(t, "hidden_codes", coded, hidden_bits, device)
+                hidden_codes = hidden_codes.index_select(0, PackingPlan.of(hidden_bits).sorted_row.to(device)).t()
             sink_state = None
             if sinks:
                 sink_state = KVState(t["sink_keys"].to(device), t["sink_values"].to(device), start=start)
@@ -189,7 +219,7 @@ class CodeSpace:
             if isinstance(exc, PayloadError):
                 raise
             raise PayloadError(f"scd payload is inconsistent: {exc}") from None
-        return SpaceCodes(start, tokens, codes, sink_state, hidden_codes)
+        return SpaceCodes(start, tokens, codes, PackingPlan.of(self.bits).sorted_row, sink_state, hidden_codes)
 
     def reconstruct(self, codes: torch.Tensor) -> torch.Tensor:
         """Basis coordinates ``[T, groups, C]`` (quantiser mid-points) of integer ``codes``."""

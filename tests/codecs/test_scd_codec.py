@@ -142,3 +142,47 @@ def test_encode_refuses_kv_it_cannot_code_with_a_clear_error():
     bad[0, 0, 3, 0] = float("nan")
     with pytest.raises(ValueError, match="NaN or inf"):
         codec.encode(KVState(bad, good.values))
+
+
+def test_streamed_cpu_decode_equals_decoding_all_layers_at_once(monkeypatch):
+    import scd_store.codecs.scd.codec as codec_module
+
+    space = fitted_space(budget=0.3)
+    weight = torch.randn(LAYOUT.groups, LAYOUT.width, LAYOUT.width) * 0.05
+    codec = ScdCodec(space, PairDecoder("c", space.fingerprint, weight, torch.randn(LAYOUT.groups, LAYOUT.width)))
+    payload = codec.encode(correlated_state(33, seed=4))
+    monkeypatch.setattr(codec_module, "_CPU_STEP_BYTES", 1)  # one layer per step
+    assert codec._layers_per_step(31, "cpu") == 1
+    streamed = codec.decode(payload)
+    monkeypatch.setattr(codec_module, "_CPU_STEP_BYTES", 1 << 40)  # every layer in one step
+    assert codec._layers_per_step(31, "cpu") == LAYOUT.num_layers
+    at_once = codec.decode(payload)
+    torch.testing.assert_close(streamed.keys, at_once.keys, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(streamed.values, at_once.values, atol=1e-6, rtol=1e-6)
+
+
+def test_payload_packed_another_way_is_refused():
+    from scd_store.codecs.tensor_pack import pack, unpack
+
+    space = fitted_space(budget=0.3)
+    payload = ScdCodec(space).encode(correlated_state(12))
+    codec_id, meta, tensors = unpack(payload)
+    for packing in (None, "fields-1"):
+        meta = {k: v for k, v in meta.items() if k != "packing"} | ({"packing": packing} if packing else {})
+        with pytest.raises(PayloadError, match="packed as"):
+            space.unpack(pack(codec_id, meta, tensors))
+
+
+def test_fisher_weights_move_bits_to_sensitive_groups():
+    feats = torch.cat([torch.randn(64, LAYOUT.groups, LAYOUT.width) for _ in range(2)]).transpose(0, 1).double()
+    mean = feats.mean(1)
+    cov = torch.einsum("gtc,gtd->gcd", feats - mean[:, None], feats - mean[:, None]) / feats.shape[1]
+    plain = CodeSpace.from_statistics("plain", LAYOUT, mean, cov, 0.25)
+    fisher = torch.eye(LAYOUT.width, dtype=torch.float64).repeat(LAYOUT.groups, 1, 1)
+    fisher[1] *= 100.0  # layer 0's values matter 100x more
+    weighted = CodeSpace.from_statistics("fisher", LAYOUT, mean, cov, 0.25, sensitivity=fisher)
+    assert int(weighted.bits.sum()) == int(plain.bits.sum())
+    assert weighted.bits[1].sum() > plain.bits[1].sum()
+    assert all(weighted.bits[g].sum() <= plain.bits[g].sum() for g in range(LAYOUT.groups) if g != 1)
+    with pytest.raises(ValueError, match="sensitivity"):
+        CodeSpace.from_statistics("bad", LAYOUT, mean, cov, 0.25, sensitivity=fisher[:, :4, :4])

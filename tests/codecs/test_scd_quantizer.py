@@ -1,7 +1,9 @@
+import pytest
 import torch
 
 from scd_store.codecs.scd.quantizer import (
     DISTORTION,
+    PackingPlan,
     allocate_bits,
     dequantize,
     pack_codes,
@@ -9,20 +11,37 @@ from scd_store.codecs.scd.quantizer import (
     quantize,
     unpack_codes,
     unpack_codes_by_component,
+    unpack_sorted,
 )
 
 
-def test_pack_round_trip_with_mixed_widths():
-    bits = torch.tensor([8, 0, 3, 1, 5, 3, 0, 2, 7, 4, 6])
-    codes = torch.stack([torch.randint(0, 1 << int(b), (13,)) if b else torch.zeros(13, dtype=torch.long)
+@pytest.mark.parametrize("tokens", [1, 13, 64, 257])
+def test_pack_round_trip_with_mixed_widths(tokens):
+    bits = torch.tensor([8, 0, 3, 1, 5, 3, 0, 2, 7, 4, 6, 1, 1, 2])
+    codes = torch.stack([torch.randint(0, 1 << int(b), (tokens,)) if b else torch.zeros(tokens, dtype=torch.long)
                          for b in bits], dim=1).to(torch.uint8)
     packed = pack_codes(codes, bits)
-    # power-of-two fields: at most one padding byte per field over exact bit packing
-    fields = sum(bin(int(b)).count("1") for b in bits.unique() if b > 0)
-    assert packed.numel() == packed_size(13, bits) <= (13 * int(bits.sum()) + 7) // 8 + fields
-    assert torch.equal(unpack_codes(packed, 13, bits), codes)
-    by_component = unpack_codes_by_component(packed, 13, bits)
+    # power-of-two parts, each padded to whole 8-byte words: at most 8 bytes per part over exact packing
+    parts = sum(bin(int(b)).count("1") for b in bits.unique() if b > 0)
+    assert packed.numel() == packed_size(tokens, bits) <= (tokens * int(bits.sum()) + 7) // 8 + 8 * parts
+    assert torch.equal(unpack_codes(packed, tokens, bits), codes)
+    by_component = unpack_codes_by_component(packed, tokens, bits)
     assert by_component.is_contiguous() and torch.equal(by_component, codes.t())
+    # storage order: the plan's row of each component, and a zero row last
+    plan = PackingPlan.of(bits)
+    rows = unpack_sorted(packed, tokens, bits)
+    assert rows.shape == (int((bits > 0).sum()) + 1, tokens) and not rows[-1].any()
+    assert torch.equal(rows[plan.sorted_row], codes.t())
+
+
+def test_unpack_reads_a_payload_at_any_offset_and_refuses_wrong_sizes():
+    bits = torch.tensor([3, 5, 1])
+    codes = torch.stack([torch.randint(0, 1 << int(b), (40,)) for b in bits], dim=1).to(torch.uint8)
+    packed = pack_codes(codes, bits)
+    shifted = torch.cat([torch.zeros(3, dtype=torch.uint8), packed])[3:]  # storage offset 3: not word aligned
+    assert torch.equal(unpack_codes(shifted, 40, bits), codes)
+    with pytest.raises(ValueError, match="expected"):
+        unpack_codes(packed[:-1], 40, bits)
 
 
 def test_gaussian_distortion_matches_the_table():
