@@ -18,18 +18,20 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
-from transformers import DynamicCache
 
 from scd_store.adapters.transformers.capture import prefill_capture
 from scd_store.adapters.transformers.compat import cache_kwarg
+from scd_store.adapters.transformers.feature_cache import cache_from_features
 from scd_store.adapters.transformers.loading import LoadedModel
+from scd_store.adapters.transformers.sensitivity import feature_fisher
 from scd_store.bench.windows import eval_windows
 from scd_store.codecs.kv_state import KVState
 from scd_store.codecs.scd.decoder import PairDecoder
 from scd_store.codecs.scd.layout import KVLayout, to_features
 from scd_store.codecs.scd.patch import SOURCES, PatchAligner, apply_patches
-from scd_store.codecs.scd.rope import apply_rope, rope_cos_sin
 from scd_store.codecs.scd.space import CodeSpace
+
+ALLOCATIONS = ("fisher", "variance")
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +39,11 @@ class CalibrationConfig:
     """Knobs of ``scd-store calibrate`` (see docs/scd.md)."""
 
     budget: float = 0.25  # coded payload against raw fp16 KV
-    key_weight: float = 4.0  # distortion weight of keys against values in the bit allocation
+    # bit allocation weights: "fisher" = each component's measured effect on the next-token distribution,
+    # "variance" = plain reverse water-filling with keys weighted key_weight against values
+    allocation: str = "fisher"
+    key_weight: float = 4.0
+    sensitivity_windows: int = 32  # per corpus, for the Fisher weights
     sink_tokens: int = 4
     basis_windows: int = 48  # per corpus
     prefix_tokens: int = 192
@@ -68,6 +74,10 @@ class CalibrationConfig:
             raise ValueError("patch_layers must be >= 0; patch_units and selection_windows positive")
         if not self.splits or "eval" in self.splits:
             raise ValueError(f"calibration splits must be non-empty and exclude eval, got {self.splits}")
+        if self.allocation not in ALLOCATIONS:
+            raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {self.allocation!r}")
+        if self.sensitivity_windows <= 0:
+            raise ValueError("sensitivity_windows must be positive")
         if self.patch_source not in SOURCES:
             raise ValueError(f"patch_source must be one of {SOURCES}, got {self.patch_source!r}")
 
@@ -100,6 +110,7 @@ class SpaceStatistics:
     cov: torch.Tensor  # [G, C, C]
     hidden: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (mean [D], cov [D, D])
     producer_fingerprint: str
+    fisher: torch.Tensor | None = None  # [G, C, C]: see adapters/transformers/sensitivity.py
 
     def space(self, space_id: str, config: CalibrationConfig, patch_layers: tuple[int, ...] = ()) -> CodeSpace:
         """The code space for ``config.budget`` (PATCH ``H_in`` codes at ``patch_layers``, which must be
@@ -111,8 +122,11 @@ class SpaceStatistics:
                 raise ValueError(f"no H_in statistics for patch layers {missing}")
             hidden_stats = (tuple(patch_layers), torch.stack([self.hidden[i][0] for i in patch_layers]),
                             torch.stack([self.hidden[i][1] for i in patch_layers]))
+        if config.allocation == "fisher" and self.fisher is None:
+            raise ValueError("Fisher bit allocation asked for, but these statistics carry no sensitivity")
+        sensitivity = self.fisher if config.allocation == "fisher" else None
         return CodeSpace.from_statistics(space_id, self.layout, self.mean, self.cov, config.budget, config.key_weight,
-                                         config.sink_tokens, self.producer_fingerprint, hidden_stats)
+                                         config.sink_tokens, self.producer_fingerprint, hidden_stats, sensitivity)
 
 
 @torch.no_grad()
@@ -145,7 +159,14 @@ def space_statistics(producer: LoadedModel, corpora: list[str], config: Calibrat
     h_mean = h_total / count
     h_cov = h_outer / count - h_mean.unsqueeze(2) * h_mean.unsqueeze(1)
     hidden = {layer: (h_mean[i], h_cov[i]) for i, layer in enumerate(hidden_layers)}
-    return SpaceStatistics(layout, mean, cov, hidden, producer.fingerprint)
+    fisher = None
+    if config.allocation == "fisher":
+        length = config.prefix_tokens + config.continuation_tokens
+        sens_windows = [w for corpus in corpora for w in calibration_windows(
+            producer.tokenizer, corpus, config.sensitivity_windows, length, config.seed + 3, config.splits)]
+        fisher = feature_fisher(producer.model, layout, sens_windows, config.prefix_tokens, config.sink_tokens,
+                                config.seed, progress)
+    return SpaceStatistics(layout, mean, cov, hidden, producer.fingerprint, fisher)
 
 
 def fit_space(producer: LoadedModel, corpora: list[str], config: CalibrationConfig, space_id: str,
@@ -236,20 +257,6 @@ def _through_space(space: CodeSpace, teacher: TeacherData, sinks: int) -> _Disti
                         torch.stack(hiddens) if hiddens else None)
 
 
-def _build_cache(model, features: torch.Tensor, sink_k: torch.Tensor, sink_v: torch.Tensor, layout: KVLayout,
-                 start: int) -> DynamicCache:
-    """A batched cache from decoded features ``[B, T, G, C]`` (differentiable) and raw sinks."""
-    b, t = features.shape[:2]
-    f = features.view(b, t, layout.num_layers, 2, layout.kv_heads, layout.head_dim)
-    cos, sin = rope_cos_sin(torch.arange(start, start + t), layout.head_dim, layout.rope_theta)
-    cache = DynamicCache(config=model.config)
-    for layer in range(layout.num_layers):
-        k = apply_rope(f[:, :, layer, 0].permute(0, 2, 1, 3), cos, sin)
-        v = f[:, :, layer, 1].permute(0, 2, 1, 3)
-        cache.update(torch.cat([sink_k[:, layer], k], 2), torch.cat([sink_v[:, layer], v], 2), layer)
-    return cache
-
-
 def distil_decoder(producer: LoadedModel, consumer: LoadedModel, space: CodeSpace, corpus: str,
                    config: CalibrationConfig, progress: bool = True, patch_layers: tuple[int, ...] = (),
                    teacher: TeacherData | None = None) -> tuple[PairDecoder, dict]:
@@ -292,7 +299,7 @@ def distil_decoder(producer: LoadedModel, consumer: LoadedModel, space: CodeSpac
             groups = list(y.unbind(2))
             apply_patches(groups, patches, hidden, space.patch_layers)
             y = torch.stack(groups, dim=2)
-        cache = _build_cache(consumer.model, y, data.sink_keys[idx], data.sink_values[idx], space.layout,
+        cache = cache_from_features(consumer.model, y, data.sink_keys[idx], data.sink_values[idx], space.layout,
                              config.sink_tokens)
         logits = consumer.model(input_ids=data.feed[idx], **{cache_kwarg(consumer.model): cache}, use_cache=True).logits
         teacher = F.log_softmax(data.teacher[idx].float(), -1)

@@ -89,7 +89,8 @@ def calibrate(producer_name: str, consumers: list[str], out: Path, budget: float
             space_id = f"{producer.name}-{int(round(b * 1000)):03d}" + (f"-p{k}" if coded else "")
             space = stats.space(space_id, combo_config, coded)
             save_space(path, space, extra={"producer": producer.name, "corpora": corpora,
-                                           "calibration": {"budget": b, "key_weight": config.key_weight,
+                                           "calibration": {"budget": b, "allocation": config.allocation,
+                                                           "key_weight": config.key_weight,
                                                            "patch_layers": list(chosen), "patch_source": patch_source}})
         entry: dict = {"space_id": space.space_id, "payload_ratio": round(space.payload_ratio(), 4),
                        "patch_layers": list(chosen), "consumers": {}}

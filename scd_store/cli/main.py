@@ -72,7 +72,9 @@ def _calibrate(args: argparse.Namespace) -> int:
     from scd_store.adapters.transformers.calibrate import CalibrationConfig
     from scd_store.adapters.transformers.calibrate_cli import calibrate
 
-    base = replace(CalibrationConfig(), splits=tuple(args.splits.split(","))) if args.splits else None
+    base = CalibrationConfig(allocation=args.allocation)
+    if args.splits:
+        base = replace(base, splits=tuple(args.splits.split(",")))
     print(json.dumps(calibrate(args.producer, args.consumer, args.out, budget=args.budget or [0.25],
                                steps=args.steps, windows=args.windows, reuse_space=args.reuse_space,
                                patch_layers=args.patch_layers or [0], patch_source=args.patch_source,
@@ -231,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--windows", type=int, default=None, help="distillation windows per consumer")
     cal.add_argument("--splits", help="comma-separated corpus splits for calibration text (default: calib; "
                                       "never eval)")
+    cal.add_argument("--allocation", choices=["fisher", "variance"], default="fisher",
+                     help="bit allocation weights: fisher (measured effect on the next-token distribution) or "
+                          "variance (keys weighted 4x)")
     cal.add_argument("--patch-layers", type=int, action="append",
                      help="k: layers the consumers regenerate (PATCH), chosen on calibration text (default 0); "
                           "repeat for a sweep (bundles OUT/b<budget>-k<k>)")

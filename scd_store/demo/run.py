@@ -20,6 +20,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from scd_store.adapters.transformers import LoadedModel, load_model
+from scd_store.adapters.transformers.calibrate import CalibrationConfig
 from scd_store.adapters.transformers.capture import prefill_capture
 from scd_store.adapters.transformers.inject import generate_greedy
 from scd_store.bench.ttft import first_token
@@ -74,7 +75,7 @@ def demo_bundle(config: DemoConfig, producer: LoadedModel, consumers: list[Loade
             raise DemoError(f"--bundle {path} is not a calibration bundle (no space.json)")
         return path
     key = hashlib.sha256("|".join([producer.fingerprint, *(c.fingerprint for c in consumers),
-                                   str(QUICK_CALIBRATION)]).encode()).hexdigest()[:16]
+                                   str(QUICK_CALIBRATION), CalibrationConfig().allocation]).encode()).hexdigest()[:16]
     path = data_dir() / "bundles" / f"demo-{key}"
     if (path / "space.json").is_file() and all((path / "pairs" / f"{c.name}.json").is_file() for c in consumers):
         console.print(f"code space and decoders: {path} (cached)")
