@@ -209,7 +209,7 @@ def collect_teacher(producer: LoadedModel, consumer: LoadedModel, corpus: str, c
     own_total = torch.zeros(layout.groups, layout.width, dtype=torch.float64)
     for window in tqdm(windows, desc=f"distil {consumer.name}: teacher", unit="window", disable=not progress):
         produced, _ = prefill_capture(producer.model, window[:p], hidden_layers=hidden_layers)
-        own, logits = prefill_capture(consumer.model, window)
+        own, logits = prefill_capture(consumer.model, window, logits_to_keep=config.continuation_tokens)
         own_prefix = KVState(own.keys[:, :, s:p], own.values[:, :, s:p], start=s)
         own_total += to_features(own_prefix, layout).double().mean(0)
         keys.append(produced.keys.half())
@@ -217,7 +217,7 @@ def collect_teacher(producer: LoadedModel, consumer: LoadedModel, corpus: str, c
         for layer in hidden_layers:
             hidden[layer].append(produced.hidden[layer].half())
         feeds.append(window[p:])
-        teachers.append(logits[p:length].half())
+        teachers.append(logits.half())  # positions p .. length - 1: what the feed predicts
     return TeacherData(torch.stack(keys), torch.stack(values), {k: torch.stack(v) for k, v in hidden.items()},
                        torch.stack(feeds), torch.stack(teachers), own_total / len(windows))
 

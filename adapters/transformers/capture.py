@@ -22,10 +22,11 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
 
 @torch.no_grad()
 def prefill_capture(model: torch.nn.Module, input_ids: torch.Tensor, hidden_layers: Iterable[int] = (),
-                    residual_layers: Iterable[int] = (), last_logits_only: bool = False
-                    ) -> tuple[KVState, torch.Tensor]:
+                    residual_layers: Iterable[int] = (), last_logits_only: bool = False,
+                    logits_to_keep: int = 0) -> tuple[KVState, torch.Tensor]:
     """Run the prefix ``input_ids`` (1-D) through ``model``; return its state and the logits ``[T, V]``
-    (``[1, V]`` for the last token only with ``last_logits_only``, as a serving prefill computes).
+    (``[1, V]`` for the last token only with ``last_logits_only``, as a serving prefill computes;
+    the last ``logits_to_keep`` tokens' with that > 0).
 
     ``H_in`` of layer ``i`` is the output of that layer's ``input_layernorm``, captured by a forward
     hook; the residual stream entering layer ``i`` by a forward pre-hook (no model code is copied).
@@ -51,7 +52,8 @@ def prefill_capture(model: torch.nn.Module, input_ids: torch.Tensor, hidden_laye
     cache = DynamicCache(config=model.config)
     device = next(model.parameters()).device
     try:
-        extra = {"logits_to_keep": 1} if last_logits_only else {}
+        keep = 1 if last_logits_only else logits_to_keep
+        extra = {"logits_to_keep": keep} if keep else {}
         out = model(input_ids=input_ids.to(device)[None], **{cache_kwarg(model): cache}, use_cache=True, **extra)
     finally:
         for handle in handles:

@@ -61,3 +61,11 @@ def test_bad_token_input_is_refused(tiny_model):
         prefill_capture(tiny_model, torch.zeros(2, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="hidden layer"):
         prefill_capture(tiny_model, torch.zeros(3, dtype=torch.long), hidden_layers=[7])
+
+
+def test_prefill_keeps_only_the_last_logits_asked_for(tiny_model, device):
+    ids = torch.randint(0, 128, (20,), generator=torch.Generator().manual_seed(3))
+    _, full = prefill_capture(tiny_model, ids)
+    _, last5 = prefill_capture(tiny_model, ids, logits_to_keep=5)
+    assert last5.shape == (5, full.shape[-1])
+    torch.testing.assert_close(last5, full[-5:], atol=1e-5, rtol=1e-5)
