@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_small_calibration_round_trip(producer, shakespeare, tmp_path):
-    config = CalibrationConfig(budget=0.25, basis_windows=3, sensitivity_windows=2, prefix_tokens=64, continuation_tokens=8,
+    config = CalibrationConfig(budget=0.25, basis_windows=3, prefix_tokens=64, continuation_tokens=8,
                                distill_windows=4, distill_steps=6)
     space = fit_space(producer, ["shakespeare"], config, "it-space", progress=False)
     assert abs(space.payload_ratio() - 0.25) < 0.01
@@ -46,7 +46,7 @@ def test_small_patch_calibrations(producer, shakespeare, tmp_path):
     layers = choose_patch_layers([gains], 2)
     assert len(layers) == 2 and all(gains[i] >= sorted(gains)[-2] for i in layers)
 
-    config = CalibrationConfig(budget=0.25, basis_windows=3, sensitivity_windows=2, prefix_tokens=64, continuation_tokens=8,
+    config = CalibrationConfig(budget=0.25, basis_windows=3, prefix_tokens=64, continuation_tokens=8,
                                distill_windows=4, distill_steps=4, patch_layers=2, patch_units=16)
     space = fit_space(producer, ["shakespeare"], config, "it-patch", progress=False, patch_layers=layers)
     assert space.patch_layers == layers and space.payload_ratio() > 0.25  # H_in is wider than K + V
@@ -68,7 +68,7 @@ def test_small_patch_calibrations(producer, shakespeare, tmp_path):
         codec.encode(produced)
 
     kv_space = fit_space(producer, ["shakespeare"], CalibrationConfig(
-        budget=0.25, basis_windows=3, sensitivity_windows=2, prefix_tokens=64, continuation_tokens=8, patch_source="kv"), "it-kv",
+        budget=0.25, basis_windows=3, prefix_tokens=64, continuation_tokens=8, patch_source="kv"), "it-kv",
         progress=False, patch_layers=layers)
     assert kv_space.patch_layers == ()  # the kv variant adds nothing to the payload
     kv_decoder, _ = distil_decoder(producer, shakespeare, kv_space, "shakespeare", config, progress=False,
@@ -79,7 +79,7 @@ def test_small_patch_calibrations(producer, shakespeare, tmp_path):
 def test_calibrate_sweep_writes_one_bundle_per_combination(producer, shakespeare, tmp_path):
     from scd_store.adapters.transformers.calibrate_cli import calibrate
 
-    small = CalibrationConfig(basis_windows=2, sensitivity_windows=2, prefix_tokens=64, continuation_tokens=8, distill_windows=3,
+    small = CalibrationConfig(basis_windows=2, prefix_tokens=64, continuation_tokens=8, distill_windows=3,
                               distill_steps=2, selection_windows=1, patch_units=8)
     report = calibrate("smollm2-135m-instruct", ["smollm2-135m-shakespeare"], tmp_path, budget=[0.12, 0.25],
                        patch_layers=[0, 2], base_config=small)

@@ -14,7 +14,7 @@ def test_demo_serves_both_consumers_from_codes(producer, shakespeare, tmp_path, 
     from scd_store.adapters.transformers import load_model
 
     python = load_model("smollm2-135m-python")
-    config = CalibrationConfig(budget=0.25, basis_windows=2, sensitivity_windows=2, prefix_tokens=64, continuation_tokens=8,
+    config = CalibrationConfig(budget=0.25, basis_windows=2, prefix_tokens=64, continuation_tokens=8,
                                distill_windows=2, distill_steps=2)
     bundle = tmp_path / "bundle"
     space = fit_space(producer, ["shakespeare", "python"], config, "demo-test", progress=False)

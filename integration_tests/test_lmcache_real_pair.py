@@ -26,7 +26,7 @@ def nll(model, state, continuation: torch.Tensor) -> float:
 
 
 def test_consumer_through_lmcache_matches_scd_quality(producer, shakespeare, tmp_path):
-    config = CalibrationConfig(budget=0.25, basis_windows=3, sensitivity_windows=2, prefix_tokens=64, continuation_tokens=8,
+    config = CalibrationConfig(budget=0.25, basis_windows=3, prefix_tokens=64, continuation_tokens=8,
                                distill_windows=4, distill_steps=4)
     bundle = tmp_path / "bundle"
     space = fit_space(producer, ["shakespeare"], config, "lmcache-real", progress=False)

@@ -39,17 +39,18 @@ class CalibrationConfig:
     """Knobs of ``scd-store calibrate`` (see docs/scd.md)."""
 
     budget: float = 0.25  # coded payload against raw fp16 KV
-    # bit allocation weights: "fisher" = each component's measured effect on the next-token distribution,
-    # "variance" = plain reverse water-filling with keys weighted key_weight against values
-    allocation: str = "fisher"
+    # bit allocation weights: "variance" = reverse water-filling on variance, keys weighted key_weight against
+    # values; "fisher" = each component's measured effect on the next-token distribution (lost on the
+    # Python pair: docs/scd.md)
+    allocation: str = "variance"
     key_weight: float = 4.0
     sensitivity_windows: int = 32  # per corpus, for the Fisher weights
     sink_tokens: int = 4
     basis_windows: int = 48  # per corpus
     prefix_tokens: int = 192
     continuation_tokens: int = 32
-    distill_windows: int = 160
-    distill_steps: int = 600
+    distill_windows: int = 96  # 300 x 96: one pair in ~9 minutes on 2 CPU cores
+    distill_steps: int = 300
     batch_size: int = 2
     lr_weight: float = 1e-4
     lr_bias: float = 1e-3

@@ -233,9 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--windows", type=int, default=None, help="distillation windows per consumer")
     cal.add_argument("--splits", help="comma-separated corpus splits for calibration text (default: calib; "
                                       "never eval)")
-    cal.add_argument("--allocation", choices=["fisher", "variance"], default="fisher",
-                     help="bit allocation weights: fisher (measured effect on the next-token distribution) or "
-                          "variance (keys weighted 4x)")
+    cal.add_argument("--allocation", choices=["variance", "fisher"], default="variance",
+                     help="bit allocation weights: variance (keys weighted 4x) or fisher (measured effect on the "
+                          "next-token distribution; experimental, see docs/scd.md)")
     cal.add_argument("--patch-layers", type=int, action="append",
                      help="k: layers the consumers regenerate (PATCH), chosen on calibration text (default 0); "
                           "repeat for a sweep (bundles OUT/b<budget>-k<k>)")

@@ -24,7 +24,7 @@ def test_calibration_config_checks_the_allocation_knobs():
 
     from scd_store.adapters.transformers.calibrate import CalibrationConfig
 
-    assert CalibrationConfig().allocation == "fisher"
+    assert CalibrationConfig().allocation == "variance"
     with pytest.raises(ValueError, match="allocation"):
         CalibrationConfig(allocation="mse")
     with pytest.raises(ValueError, match="sensitivity_windows"):
@@ -42,4 +42,4 @@ def test_fisher_allocation_needs_fisher_statistics():
                             torch.eye(c, dtype=torch.float64).repeat(g, 1, 1), {}, "fp")
     assert stats.space("v", CalibrationConfig(allocation="variance")).bits.sum() > 0
     with pytest.raises(ValueError, match="no sensitivity"):
-        stats.space("f", CalibrationConfig())
+        stats.space("f", CalibrationConfig(allocation="fisher"))
