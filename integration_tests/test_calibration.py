@@ -14,11 +14,11 @@ pytestmark = pytest.mark.slow
 
 def test_small_calibration_round_trip(producer, shakespeare, tmp_path):
     config = CalibrationConfig(budget=0.25, basis_windows=3, prefix_tokens=64, continuation_tokens=8,
-                               distill_windows=4, distill_steps=6)
+                               distill_windows=4, distill_steps=6, greedy_weight=0.5)
     space = fit_space(producer, ["shakespeare"], config, "it-space", progress=False)
     assert abs(space.payload_ratio() - 0.25) < 0.01
     decoder, stats = distil_decoder(producer, shakespeare, space, "shakespeare", config, progress=False)
-    assert stats["steps"] == 6 and stats["kl_last"] is not None
+    assert stats["steps"] == 6 and stats["kl_last"] is not None and stats["greedy_weight"] == 0.5
     save_space(tmp_path, space)
     save_pair(tmp_path, decoder)
     codec = load_scd_codec(tmp_path, producer, shakespeare)

@@ -62,6 +62,8 @@ class CalibrationConfig:
     patch_source: str = "hidden"  # "hidden": code H_in at those layers; "kv": aligners on REUSE output
     patch_units: int = 128  # aligner MLP width
     lr_patch: float = 1e-3
+    # weight of greedy_margin_loss next to the KL (top-1 agreement with the consumer's own prefill)
+    greedy_weight: float = 0.0
     selection_windows: int = 4  # calibration windows that rank the layers for PATCH
 
     def __post_init__(self) -> None:
@@ -77,6 +79,8 @@ class CalibrationConfig:
             raise ValueError(f"calibration splits must be non-empty and exclude eval, got {self.splits}")
         if self.allocation not in ALLOCATIONS:
             raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {self.allocation!r}")
+        if self.greedy_weight < 0:
+            raise ValueError(f"greedy_weight must be >= 0, got {self.greedy_weight}")
         if self.sensitivity_windows <= 0:
             raise ValueError("sensitivity_windows must be positive")
         if self.patch_source not in SOURCES:
@@ -258,6 +262,19 @@ def _through_space(space: CodeSpace, teacher: TeacherData, sinks: int) -> _Disti
                         torch.stack(hiddens) if hiddens else None)
 
 
+def greedy_margin_loss(student: torch.Tensor, teacher: torch.Tensor, cap: float = 1.0) -> torch.Tensor:
+    """Mean hinge ``relu(min(m_t, cap) - m_s)`` on the margin of the teacher's greedy token over the
+    runner-up (``m_t`` in the teacher's log-probabilities, ``m_s`` in the student's). Zero wherever
+    the student keeps at least the teacher's margin, so a student equal to its teacher pays nothing;
+    it pushes only where the greedy choice is at risk."""
+    top2 = teacher.topk(2, dim=-1)
+    greedy = top2.indices[..., :1]
+    teacher_margin = (top2.values[..., 0] - top2.values[..., 1]).clamp(max=cap)
+    chosen = student.gather(-1, greedy).squeeze(-1)
+    runner_up = student.scatter(-1, greedy, float("-inf")).amax(-1)
+    return torch.relu(teacher_margin - (chosen - runner_up)).mean()
+
+
 def distil_decoder(producer: LoadedModel, consumer: LoadedModel, space: CodeSpace, corpus: str,
                    config: CalibrationConfig, progress: bool = True, patch_layers: tuple[int, ...] = (),
                    teacher: TeacherData | None = None) -> tuple[PairDecoder, dict]:
@@ -304,14 +321,18 @@ def distil_decoder(producer: LoadedModel, consumer: LoadedModel, space: CodeSpac
                              config.sink_tokens)
         logits = consumer.model(input_ids=data.feed[idx], **{cache_kwarg(consumer.model): cache}, use_cache=True).logits
         teacher = F.log_softmax(data.teacher[idx].float(), -1)
-        loss = F.kl_div(F.log_softmax(logits, -1), teacher, log_target=True, reduction="none").sum(-1).mean()
+        student = F.log_softmax(logits, -1)
+        kl = F.kl_div(student, teacher, log_target=True, reduction="none").sum(-1).mean()
+        loss = kl
+        if config.greedy_weight:
+            loss = kl + config.greedy_weight * greedy_margin_loss(student, teacher)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         # cosine decay over the run keeps the last steps from jittering
         for group, base in zip(optimizer.param_groups, base_lrs, strict=True):
             group["lr"] = base * 0.5 * (1 + math.cos(math.pi * step / max(1, config.distill_steps)))
         optimizer.step()
-        losses.append(float(loss.detach()))
+        losses.append(float(kl.detach()))
         if step % 10 == 0:
             bar.set_postfix(kl=f"{sum(losses[-20:]) / len(losses[-20:]):.4f}")
     for patch in patches:
@@ -322,6 +343,7 @@ def distil_decoder(producer: LoadedModel, consumer: LoadedModel, space: CodeSpac
     stats = {
         "windows": n,
         "steps": config.distill_steps,
+        "greedy_weight": config.greedy_weight,
         "collect_seconds": round(collect_seconds, 1),
         "train_seconds": round(time.perf_counter() - start_time - collect_seconds, 1),
         "kl_first": round(sum(losses[:20]) / max(1, len(losses[:20])), 5) if losses else None,

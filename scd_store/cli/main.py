@@ -72,7 +72,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     from scd_store.adapters.transformers.calibrate import CalibrationConfig
     from scd_store.adapters.transformers.calibrate_cli import calibrate
 
-    base = CalibrationConfig(allocation=args.allocation)
+    base = CalibrationConfig(allocation=args.allocation, greedy_weight=args.greedy_weight)
     if args.splits:
         base = replace(base, splits=tuple(args.splits.split(",")))
     print(json.dumps(calibrate(args.producer, args.consumer, args.out, budget=args.budget or [0.25],
@@ -236,6 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--allocation", choices=["variance", "fisher"], default="variance",
                      help="bit allocation weights: variance (keys weighted 4x) or fisher (measured effect on the "
                           "next-token distribution; experimental, see docs/scd.md)")
+    cal.add_argument("--greedy-weight", type=float, default=0.0,
+                     help="add this x a hinge on the margin of the consumer's own greedy token to the "
+                          "distillation KL (top-1 agreement; default 0)")
     cal.add_argument("--patch-layers", type=int, action="append",
                      help="k: layers the consumers regenerate (PATCH), chosen on calibration text (default 0); "
                           "repeat for a sweep (bundles OUT/b<budget>-k<k>)")

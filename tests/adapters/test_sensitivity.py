@@ -19,18 +19,6 @@ def test_feature_fisher_is_a_deterministic_psd_matrix_per_group_and_leaves_the_m
     assert all(p.requires_grad and p.grad is None for p in model.parameters())
 
 
-def test_calibration_config_checks_the_allocation_knobs():
-    import pytest
-
-    from scd_store.adapters.transformers.calibrate import CalibrationConfig
-
-    assert CalibrationConfig().allocation == "variance"
-    with pytest.raises(ValueError, match="allocation"):
-        CalibrationConfig(allocation="mse")
-    with pytest.raises(ValueError, match="sensitivity_windows"):
-        CalibrationConfig(sensitivity_windows=0)
-
-
 def test_fisher_allocation_needs_fisher_statistics():
     import pytest
 

@@ -1,0 +1,32 @@
+import pytest
+
+from scd_store.adapters.transformers.calibrate import CalibrationConfig
+
+
+def test_calibration_config_checks_its_knobs():
+    assert CalibrationConfig().allocation == "variance"
+    with pytest.raises(ValueError, match="allocation"):
+        CalibrationConfig(allocation="mse")
+    with pytest.raises(ValueError, match="sensitivity_windows"):
+        CalibrationConfig(sensitivity_windows=0)
+    with pytest.raises(ValueError, match="greedy_weight"):
+        CalibrationConfig(greedy_weight=-1.0)
+    with pytest.raises(ValueError, match="eval"):
+        CalibrationConfig(splits=("calib", "eval"))
+
+
+def test_greedy_margin_loss_is_zero_for_a_faithful_student_and_grows_when_the_greedy_token_flips():
+    import torch
+
+    from scd_store.adapters.transformers.calibrate import greedy_margin_loss
+
+    teacher = torch.log_softmax(torch.tensor([[[2.0, 1.5, 0.0], [0.0, 3.0, 0.1]]]), -1)
+    assert float(greedy_margin_loss(teacher.clone(), teacher)) == 0.0
+    assert float(greedy_margin_loss(teacher + 0.3, teacher)) == 0.0  # a shift of all logits changes nothing
+    flipped = torch.log_softmax(torch.tensor([[[1.5, 2.0, 0.0], [0.0, 3.0, 0.1]]]), -1)
+    loss = greedy_margin_loss(flipped, teacher)
+    assert abs(float(loss) - (0.5 + 0.5) / 2) < 1e-5  # first token: needs +0.5 margin, has -0.5
+    student = flipped.clone().requires_grad_(True)
+    greedy_margin_loss(student, teacher).backward()
+    assert student.grad[0, 0, 0] < 0 < student.grad[0, 0, 1]  # raises the teacher's choice, lowers the rival
+    assert torch.all(student.grad[0, 1] == 0)
