@@ -17,8 +17,11 @@ def cache_from_features(model, features: torch.Tensor, sink_k: torch.Tensor, sin
     f = features.view(b, t, layout.num_layers, 2, layout.kv_heads, layout.head_dim)
     cos, sin = rope_cos_sin(torch.arange(start, start + t), layout.head_dim, layout.rope_theta)
     cache = DynamicCache(config=model.config)
-    for layer in range(layout.num_layers):
-        k = apply_rope(f[:, :, layer, 0].permute(0, 2, 1, 3), cos, sin)
-        v = f[:, :, layer, 1].permute(0, 2, 1, 3)
+    # unbind, not per-layer indexing: the backward of one unbind is one stack, while each indexing
+    # op's backward would fill a zero tensor the size of all the features (2 x layers of them)
+    for layer, kv in enumerate(f.unbind(2)):
+        key, value = kv.unbind(2)
+        k = apply_rope(key.permute(0, 2, 1, 3), cos, sin)
+        v = value.permute(0, 2, 1, 3)
         cache.update(torch.cat([sink_k[:, layer], k], 2), torch.cat([sink_v[:, layer], v], 2), layer)
     return cache

@@ -73,6 +73,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     from scd_store.adapters.transformers.calibrate_cli import calibrate
 
     base = CalibrationConfig(allocation=args.allocation, greedy_weight=args.greedy_weight)
+    if args.prefix_tokens:
+        base = replace(base, prefix_tokens=args.prefix_tokens)
     if args.splits:
         base = replace(base, splits=tuple(args.splits.split(",")))
     print(json.dumps(calibrate(args.producer, args.consumer, args.out, budget=args.budget or [0.25],
@@ -236,6 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--allocation", choices=["variance", "fisher"], default="variance",
                      help="bit allocation weights: variance (keys weighted 4x) or fisher (measured effect on the "
                           "next-token distribution; experimental, see docs/scd.md)")
+    cal.add_argument("--prefix-tokens", type=int, default=None,
+                     help="prefix length of calibration windows (default 192; 32 continuation tokens follow)")
     cal.add_argument("--greedy-weight", type=float, default=0.0,
                      help="add this x a hinge on the margin of the consumer's own greedy token to the "
                           "distillation KL (top-1 agreement; default 0)")
