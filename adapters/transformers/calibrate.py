@@ -46,10 +46,12 @@ class CalibrationConfig:
     key_weight: float = 4.0
     sensitivity_windows: int = 32  # per corpus, for the Fisher weights
     sink_tokens: int = 4
-    basis_windows: int = 48  # per corpus
-    prefix_tokens: int = 192
+    basis_windows: int = 24  # per corpus
+    # serving-length prefixes: each step trains the maps on ~444 coded tokens for little more than the
+    # cost of 192 (the continuation dominates); 300 steps x 48 windows is one pair in ~9 minutes on 2 cores
+    prefix_tokens: int = 448
     continuation_tokens: int = 32
-    distill_windows: int = 96  # 300 x 96: one pair in ~9 minutes on 2 CPU cores
+    distill_windows: int = 48
     distill_steps: int = 300
     batch_size: int = 2
     lr_weight: float = 1e-4
@@ -150,7 +152,7 @@ def space_statistics(producer: LoadedModel, corpora: list[str], config: Calibrat
     windows = [w for corpus in corpora for w in calibration_windows(
         producer.tokenizer, corpus, config.basis_windows, config.prefix_tokens, config.seed, config.splits)]
     for window in tqdm(windows, desc="code space: producer KV", unit="window", disable=not progress):
-        state, _ = prefill_capture(producer.model, window, hidden_layers=hidden_layers)
+        state, _ = prefill_capture(producer.model, window, hidden_layers=hidden_layers, last_logits_only=True)
         x = to_features(state, layout)[config.sink_tokens:].double().transpose(0, 1)  # [G, T, C]
         total += x.sum(1)
         outer += x.transpose(1, 2) @ x
@@ -213,7 +215,7 @@ def collect_teacher(producer: LoadedModel, consumer: LoadedModel, corpus: str, c
     hidden: dict[int, list[torch.Tensor]] = {layer: [] for layer in hidden_layers}
     own_total = torch.zeros(layout.groups, layout.width, dtype=torch.float64)
     for window in tqdm(windows, desc=f"distil {consumer.name}: teacher", unit="window", disable=not progress):
-        produced, _ = prefill_capture(producer.model, window[:p], hidden_layers=hidden_layers)
+        produced, _ = prefill_capture(producer.model, window[:p], hidden_layers=hidden_layers, last_logits_only=True)
         own, logits = prefill_capture(consumer.model, window, logits_to_keep=config.continuation_tokens)
         own_prefix = KVState(own.keys[:, :, s:p], own.values[:, :, s:p], start=s)
         own_total += to_features(own_prefix, layout).double().mean(0)

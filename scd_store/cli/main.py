@@ -239,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="bit allocation weights: variance (keys weighted 4x) or fisher (measured effect on the "
                           "next-token distribution; experimental, see docs/scd.md)")
     cal.add_argument("--prefix-tokens", type=int, default=None,
-                     help="prefix length of calibration windows (default 192; 32 continuation tokens follow)")
+                     help="prefix length of calibration windows (default 448; 32 continuation tokens follow)")
     cal.add_argument("--greedy-weight", type=float, default=0.0,
                      help="add this x a hinge on the margin of the consumer's own greedy token to the "
                           "distillation KL (top-1 agreement; default 0)")

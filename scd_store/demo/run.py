@@ -35,7 +35,7 @@ from scd_store.store.keys import chunk_hashes
 from scd_store.store.service import KVService
 
 DEMO_CHUNK = 256
-QUICK_CALIBRATION = {"steps": 100, "windows": 40}  # ~6 min for both consumers on 2 cores
+QUICK_CALIBRATION = {"steps": 100, "windows": 24}  # ~7 min for both consumers on 2 cores
 
 
 class DemoError(RuntimeError):
@@ -81,7 +81,7 @@ def demo_bundle(config: DemoConfig, producer: LoadedModel, consumers: list[Loade
         console.print(f"code space and decoders: {path} (cached)")
         return path
     console.print(f"[bold]No bundle yet: calibrating a quick shared code space for {len(consumers)} consumers "
-                  f"into {path}[/bold] (once; a fuller one: `scd-store calibrate ... --steps 400 --windows 128`)")
+                  f"into {path}[/bold] (once; a fuller one: `scd-store calibrate --consumer ... --out DIR`)")
     from scd_store.adapters.transformers.calibrate_cli import calibrate
 
     tmp = path.with_name(path.name + ".tmp")
