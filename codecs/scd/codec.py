@@ -107,7 +107,7 @@ class ScdCodec(Codec):
         for first in range(0, layout.num_layers, step):
             last = min(layout.num_layers, first + step)
             groups = slice(2 * first, 2 * last)
-            q = codes.sorted_codes.index_select(0, rows[groups].flatten()).view(-1, active, coded)
+            q = codes.sorted_codes.index_select(0, rows[groups].flatten()).view(2 * (last - first), active, coded)
             features = torch.baddbmm(offset[groups], q.to(torch.float32).transpose(1, 2), matrix[groups])
             for layer in patched.intersection(range(first, last)):
                 pair = 2 * (layer - first)

@@ -186,3 +186,14 @@ def test_fisher_weights_move_bits_to_sensitive_groups():
     assert all(weighted.bits[g].sum() <= plain.bits[g].sum() for g in range(LAYOUT.groups) if g != 1)
     with pytest.raises(ValueError, match="sensitivity"):
         CodeSpace.from_statistics("bad", LAYOUT, mean, cov, 0.25, sensitivity=fisher[:, :4, :4])
+
+
+def test_a_space_without_bits_decodes_to_the_mean():
+    space = fitted_space(budget=0.3)
+    no_bits = torch.zeros_like(space.bits)
+    empty = CodeSpace("empty", LAYOUT, space.mean, space.basis, space.sigma, no_bits, sink_tokens=0)
+    codec = ScdCodec(empty, PairDecoder.identity(empty, "c"))
+    out = codec.decode(codec.encode(correlated_state(9)))
+    assert out.values.shape == (LAYOUT.num_layers, LAYOUT.kv_heads, 9, LAYOUT.head_dim)
+    expected = space.mean.view(LAYOUT.num_layers, 2, LAYOUT.kv_heads, LAYOUT.head_dim)[:, 1]
+    torch.testing.assert_close(out.values, expected.unsqueeze(2).expand_as(out.values))
