@@ -191,11 +191,15 @@ def unpack_sorted(packed: torch.Tensor, tokens: int, bits: torch.Tensor) -> torc
     return torch.cat(regions)
 
 
+def by_component(sorted_codes: torch.Tensor, sorted_row: torch.Tensor) -> torch.Tensor:
+    """Component-major codes ``[n, tokens]`` from :func:`unpack_sorted`'s rows and the plan's ``sorted_row``."""
+    return sorted_codes.index_select(0, sorted_row.to(sorted_codes.device))
+
+
 def unpack_codes_by_component(packed: torch.Tensor, tokens: int, bits: torch.Tensor) -> torch.Tensor:
     """Invert :func:`pack_codes` into component-major codes ``[n, tokens]`` (uint8; zero rows for
     0-bit columns)."""
-    rows = PackingPlan.of(bits).sorted_row.to(packed.device)
-    return unpack_sorted(packed, tokens, bits).index_select(0, rows)
+    return by_component(unpack_sorted(packed, tokens, bits), PackingPlan.of(bits).sorted_row)
 
 
 def unpack_codes(packed: torch.Tensor, tokens: int, bits: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from scd_store.codecs.scd.quantizer import (
     PACKING,
     PackingPlan,
     allocate_bits,
+    by_component,
     dequantize,
     pack_codes,
     packed_size,
@@ -39,7 +40,7 @@ class SpaceCodes:
     @property
     def codes(self) -> torch.Tensor:
         """``[T - sinks, groups * C]`` uint8 quantiser indices (a transposed view)."""
-        return self.sorted_codes.index_select(0, self.sorted_row.to(self.sorted_codes.device)).t()
+        return by_component(self.sorted_codes, self.sorted_row).t()
 
 
 def _section(tensors: dict[str, torch.Tensor], name: str, coded: int, bits: torch.Tensor, device
@@ -208,7 +209,7 @@ class CodeSpace:
             if self.hidden is not None:
                 hidden_bits = self.hidden.bits.flatten()
                 hidden_codes = _section(t, "hidden_codes", coded, hidden_bits, device)
-                hidden_codes = hidden_codes.index_select(0, PackingPlan.of(hidden_bits).sorted_row.to(device)).t()
+                hidden_codes = by_component(hidden_codes, PackingPlan.of(hidden_bits).sorted_row).t()
             sink_state = None
             if sinks:
                 sink_state = KVState(t["sink_keys"].to(device), t["sink_values"].to(device), start=start)
