@@ -97,3 +97,21 @@ def test_calibrate_sweep_writes_one_bundle_per_combination(producer, shakespeare
     calibrate("smollm2-135m-instruct", ["smollm2-135m-shakespeare"], tmp_path / "b0.25-k0", budget=0.25,
               reuse_space=True, base_config=small)
     assert load_space(tmp_path / "b0.25-k0").fingerprint == before
+
+
+def test_teacher_logits_cover_every_cut_and_match_the_consumer_on_a_cut_prefix(producer, shakespeare):
+    """Distillation cuts prefixes at random lengths: the teacher rows it slices from the one causal
+    prefill must be what the consumer predicts after that shorter prefix."""
+    from scd_store.adapters.transformers.calibrate import collect_teacher
+
+    config = CalibrationConfig(prefix_tokens=64, continuation_tokens=8, distill_windows=2, shortest_prefix=0.5)
+    teacher = collect_teacher(producer, shakespeare, "shakespeare", config, progress=False)
+    assert teacher.first_cut == 32
+    assert teacher.tokens.shape == (2, 72) and teacher.teacher.shape[:2] == (2, 72 - 32)
+    cut = 40
+    window = teacher.tokens[1]
+    own, _ = prefill_capture(shakespeare.model, window[:cut])
+    direct = continue_with_prefix(shakespeare.model, own, window[cut:cut + 8])
+    sliced = teacher.teacher[1, cut - 32:cut - 32 + 8].float()
+    assert torch.allclose(sliced, direct, atol=0.05)  # fp16 storage
+    assert direct.argmax(-1).equal(sliced.argmax(-1))

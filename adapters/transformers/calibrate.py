@@ -32,13 +32,15 @@ from scd_store.codecs.scd.patch import SOURCES, PatchAligner, apply_patches
 from scd_store.codecs.scd.space import CodeSpace
 
 ALLOCATIONS = ("fisher", "variance")
+# coded bits against fp16 KV: with sinks and headers a 448-token payload is 24.7% of raw fp16 (<= 25%)
+DEFAULT_BUDGET = 0.24
 
 
 @dataclass(frozen=True, slots=True)
 class CalibrationConfig:
     """Knobs of ``scd-store calibrate`` (see docs/scd.md)."""
 
-    budget: float = 0.25  # coded payload against raw fp16 KV
+    budget: float = DEFAULT_BUDGET
     # bit allocation weights: "variance" = reverse water-filling on variance, keys weighted key_weight against
     # values; "fisher" = each component's measured effect on the next-token distribution (lost on the
     # Python pair: docs/scd.md)
@@ -51,6 +53,10 @@ class CalibrationConfig:
     # cost of 192 (the continuation dominates); 300 steps x 48 windows is one pair in ~9 minutes on 2 cores
     prefix_tokens: int = 448
     continuation_tokens: int = 32
+    # each step cuts the coded prefix at a random length in [shortest_prefix * prefix_tokens, prefix_tokens]
+    # and scores the 32 tokens after the cut: the consumer's one causal prefill gives the teacher at every
+    # cut, so each window supervises many continuations instead of one (1.0 = always the full prefix)
+    shortest_prefix: float = 0.5
     distill_windows: int = 48
     distill_steps: int = 300
     batch_size: int = 2
@@ -83,10 +89,17 @@ class CalibrationConfig:
             raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {self.allocation!r}")
         if self.greedy_weight < 0:
             raise ValueError(f"greedy_weight must be >= 0, got {self.greedy_weight}")
+        if not 0 < self.shortest_prefix <= 1:
+            raise ValueError(f"shortest_prefix must be in (0, 1], got {self.shortest_prefix}")
         if self.sensitivity_windows <= 0:
             raise ValueError("sensitivity_windows must be positive")
         if self.patch_source not in SOURCES:
             raise ValueError(f"patch_source must be one of {SOURCES}, got {self.patch_source!r}")
+
+    @property
+    def first_cut(self) -> int:
+        """The shortest coded prefix a distillation step trains on (always past the sinks)."""
+        return min(self.prefix_tokens, max(self.sink_tokens + 1, math.ceil(self.shortest_prefix * self.prefix_tokens)))
 
 
 def calibration_windows(tokenizer, corpus: str, count: int, length: int, seed: int, splits: tuple[str, ...]
@@ -188,14 +201,16 @@ def fit_space(producer: LoadedModel, corpora: list[str], config: CalibrationConf
 @dataclass(slots=True)
 class TeacherData:
     """What distillation needs from the models, independent of the code space: per calibration
-    window the producer's prefix state, the continuation and the consumer's own logits on it."""
+    window the producer's prefix state, the window's tokens and the consumer's own logits from the
+    shortest cut on (``first_cut``)."""
 
     keys: torch.Tensor  # [N, L, H, prefix, D] fp16: the producer's prefix KV
     values: torch.Tensor
     hidden: dict[int, torch.Tensor]  # layer -> [N, prefix, D] fp16: the producer's H_in
-    feed: torch.Tensor  # [N, continuation] token ids
-    teacher: torch.Tensor  # [N, continuation, V] fp16 logits of the consumer on its own prefill
+    tokens: torch.Tensor  # [N, prefix + continuation] token ids
+    teacher: torch.Tensor  # [N, prefix + continuation - first_cut, V] fp16 logits of the consumer's own prefill
     own_mean: torch.Tensor  # [G, C] float64: mean of the consumer's own prefix features (past the sinks)
+    first_cut: int  # position of the teacher's first logits row
 
     @property
     def windows(self) -> int:
@@ -216,17 +231,17 @@ def collect_teacher(producer: LoadedModel, consumer: LoadedModel, corpus: str, c
     own_total = torch.zeros(layout.groups, layout.width, dtype=torch.float64)
     for window in tqdm(windows, desc=f"distil {consumer.name}: teacher", unit="window", disable=not progress):
         produced, _ = prefill_capture(producer.model, window[:p], hidden_layers=hidden_layers, last_logits_only=True)
-        own, logits = prefill_capture(consumer.model, window, logits_to_keep=config.continuation_tokens)
+        own, logits = prefill_capture(consumer.model, window, logits_to_keep=length - config.first_cut)
         own_prefix = KVState(own.keys[:, :, s:p], own.values[:, :, s:p], start=s)
         own_total += to_features(own_prefix, layout).double().mean(0)
         keys.append(produced.keys.half())
         values.append(produced.values.half())
         for layer in hidden_layers:
             hidden[layer].append(produced.hidden[layer].half())
-        feeds.append(window[p:])
-        teachers.append(logits.half())  # positions p .. length - 1: what the feed predicts
+        feeds.append(window)
+        teachers.append(logits.half())  # positions first_cut .. length - 1
     return TeacherData(torch.stack(keys), torch.stack(values), {k: torch.stack(v) for k, v in hidden.items()},
-                       torch.stack(feeds), torch.stack(teachers), own_total / len(windows))
+                       torch.stack(feeds), torch.stack(teachers), own_total / len(windows), config.first_cut)
 
 
 @dataclass(slots=True)
@@ -234,8 +249,9 @@ class _DistillData:
     xhat: torch.Tensor  # [N, T - sinks, G, C] fp16: the producer's features after the space's quantisation
     sink_keys: torch.Tensor  # [N, L, H, sinks, D]
     sink_values: torch.Tensor
-    feed: torch.Tensor  # [N, continuation] token ids
-    teacher: torch.Tensor  # [N, continuation, V] fp16 logits of the consumer on its own prefill
+    tokens: torch.Tensor  # [N, prefix + continuation] token ids
+    teacher: torch.Tensor  # [N, prefix + continuation - first_cut, V] fp16 logits of the consumer's own prefill
+    first_cut: int
     mean_shift: torch.Tensor  # [G, C]
     hidden: torch.Tensor | None  # [N, T - sinks, P, D] fp16: decoded producer H_in at the space's patch layers
 
@@ -260,8 +276,8 @@ def _through_space(space: CodeSpace, teacher: TeacherData, sinks: int) -> _Disti
             hiddens.append(space.hidden.reconstruct(codes.hidden_codes).half())
     shift = (teacher.own_mean - xhat_total / teacher.windows).float()
     return _DistillData(torch.stack(xhats), teacher.keys[:, :, :, :sinks].float(),
-                        teacher.values[:, :, :, :sinks].float(), teacher.feed, teacher.teacher, shift,
-                        torch.stack(hiddens) if hiddens else None)
+                        teacher.values[:, :, :, :sinks].float(), teacher.tokens, teacher.teacher, teacher.first_cut,
+                        shift, torch.stack(hiddens) if hiddens else None)
 
 
 def greedy_margin_loss(student: torch.Tensor, teacher: torch.Tensor, cap: float = 1.0) -> torch.Tensor:
@@ -309,20 +325,27 @@ def distil_decoder(producer: LoadedModel, consumer: LoadedModel, space: CodeSpac
         param.requires_grad_(False)
     losses = []
     n = data.xhat.shape[0]
+    prefix = config.prefix_tokens
     bar = tqdm(range(config.distill_steps), desc=f"distil {consumer.name}: train", unit="step", disable=not progress)
     for step in bar:
         idx = torch.randint(0, n, (config.batch_size,), generator=generator)
-        xhat = data.xhat[idx].float()
+        cut = prefix
+        if data.first_cut < prefix:
+            cut = int(torch.randint(data.first_cut, prefix + 1, (1,), generator=generator))
+        coded = cut - config.sink_tokens
+        xhat = data.xhat[idx, :coded].float()
         y = xhat + torch.einsum("btgc,gcd->btgd", xhat, weight) + bias
-        hidden = data.hidden[idx].float() if data.hidden is not None else None
+        hidden = data.hidden[idx, :coded].float() if data.hidden is not None else None
         if patches:
             groups = list(y.unbind(2))
             apply_patches(groups, patches, hidden, space.patch_layers)
             y = torch.stack(groups, dim=2)
         cache = cache_from_features(consumer.model, y, data.sink_keys[idx], data.sink_values[idx], space.layout,
                              config.sink_tokens)
-        logits = consumer.model(input_ids=data.feed[idx], **{cache_kwarg(consumer.model): cache}, use_cache=True).logits
-        teacher = F.log_softmax(data.teacher[idx].float(), -1)
+        feed = data.tokens[idx, cut:cut + config.continuation_tokens]
+        logits = consumer.model(input_ids=feed, **{cache_kwarg(consumer.model): cache}, use_cache=True).logits
+        rows = slice(cut - data.first_cut, cut - data.first_cut + config.continuation_tokens)
+        teacher = F.log_softmax(data.teacher[idx, rows].float(), -1)
         student = F.log_softmax(logits, -1)
         kl = F.kl_div(student, teacher, log_target=True, reduction="none").sum(-1).mean()
         loss = kl
@@ -346,6 +369,7 @@ def distil_decoder(producer: LoadedModel, consumer: LoadedModel, space: CodeSpac
         "windows": n,
         "steps": config.distill_steps,
         "greedy_weight": config.greedy_weight,
+        "shortest_prefix": config.shortest_prefix,
         "collect_seconds": round(collect_seconds, 1),
         "train_seconds": round(time.perf_counter() - start_time - collect_seconds, 1),
         "kl_first": round(sum(losses[:20]) / max(1, len(losses[:20])), 5) if losses else None,

@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from scd_store.adapters.transformers.calibrate import (
+    DEFAULT_BUDGET,
     CalibrationConfig,
     calibration_windows,
     collect_teacher,
@@ -42,7 +43,7 @@ def bundle_dir(out: Path, budget: float, k: int, source: str, sweep: bool) -> Pa
     return out / (f"b{budget:g}-k{k}" + ("-kv" if k and source == "kv" else ""))
 
 
-def calibrate(producer_name: str, consumers: list[str], out: Path, budget: float | list[float] = 0.25,
+def calibrate(producer_name: str, consumers: list[str], out: Path, budget: float | list[float] = DEFAULT_BUDGET,
               steps: int | None = None, windows: int | None = None, reuse_space: bool = False,
               patch_layers: int | list[int] = 0, patch_source: str = "hidden",
               base_config: CalibrationConfig | None = None) -> dict:

@@ -73,11 +73,13 @@ def _calibrate(args: argparse.Namespace) -> int:
     from scd_store.adapters.transformers.calibrate_cli import calibrate
 
     base = CalibrationConfig(allocation=args.allocation, greedy_weight=args.greedy_weight)
+    if args.shortest_prefix is not None:
+        base = replace(base, shortest_prefix=args.shortest_prefix)
     if args.prefix_tokens:
         base = replace(base, prefix_tokens=args.prefix_tokens)
     if args.splits:
         base = replace(base, splits=tuple(args.splits.split(",")))
-    print(json.dumps(calibrate(args.producer, args.consumer, args.out, budget=args.budget or [0.25],
+    print(json.dumps(calibrate(args.producer, args.consumer, args.out, budget=args.budget or [base.budget],
                                steps=args.steps, windows=args.windows, reuse_space=args.reuse_space,
                                patch_layers=args.patch_layers or [0], patch_source=args.patch_source,
                                base_config=base), indent=2))
@@ -230,7 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--consumer", action="append", required=True, help="repeat for a shared code space")
     cal.add_argument("--out", type=Path, required=True, help="bundle directory")
     cal.add_argument("--budget", type=float, action="append",
-                     help="coded bits per dimension against fp16 (default 0.25); repeat for a sweep")
+                     help="coded bits per dimension against fp16 (default 0.24: payload <= 25%% of fp16 KV); "
+                          "repeat for a sweep")
     cal.add_argument("--steps", type=int, default=None, help="distillation steps per consumer")
     cal.add_argument("--windows", type=int, default=None, help="distillation windows per consumer")
     cal.add_argument("--splits", help="comma-separated corpus splits for calibration text (default: calib; "
@@ -240,6 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "next-token distribution; experimental, see docs/scd.md)")
     cal.add_argument("--prefix-tokens", type=int, default=None,
                      help="prefix length of calibration windows (default 448; 32 continuation tokens follow)")
+    cal.add_argument("--shortest-prefix", type=float, default=None,
+                     help="distillation cuts each prefix at a random length from this fraction of it to all of it "
+                          "(default 0.5; 1.0 = always the whole prefix)")
     cal.add_argument("--greedy-weight", type=float, default=0.0,
                      help="add this x a hinge on the margin of the consumer's own greedy token to the "
                           "distillation KL (top-1 agreement; default 0)")

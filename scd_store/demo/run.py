@@ -75,7 +75,7 @@ def demo_bundle(config: DemoConfig, producer: LoadedModel, consumers: list[Loade
             raise DemoError(f"--bundle {path} is not a calibration bundle (no space.json)")
         return path
     key = hashlib.sha256("|".join([producer.fingerprint, *(c.fingerprint for c in consumers),
-                                   str(QUICK_CALIBRATION), CalibrationConfig().allocation]).encode()).hexdigest()[:16]
+                                   str(QUICK_CALIBRATION), repr(CalibrationConfig())]).encode()).hexdigest()[:16]
     path = data_dir() / "bundles" / f"demo-{key}"
     if (path / "space.json").is_file() and all((path / "pairs" / f"{c.name}.json").is_file() for c in consumers):
         console.print(f"code space and decoders: {path} (cached)")
@@ -85,7 +85,7 @@ def demo_bundle(config: DemoConfig, producer: LoadedModel, consumers: list[Loade
     from scd_store.adapters.transformers.calibrate_cli import calibrate
 
     tmp = path.with_name(path.name + ".tmp")
-    calibrate(producer.name, [c.name for c in consumers], tmp, budget=0.25, **QUICK_CALIBRATION)
+    calibrate(producer.name, [c.name for c in consumers], tmp, **QUICK_CALIBRATION)
     tmp.rename(path)
     return path
 

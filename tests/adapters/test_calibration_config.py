@@ -13,6 +13,14 @@ def test_calibration_config_checks_its_knobs():
         CalibrationConfig(greedy_weight=-1.0)
     with pytest.raises(ValueError, match="eval"):
         CalibrationConfig(splits=("calib", "eval"))
+    with pytest.raises(ValueError, match="shortest_prefix"):
+        CalibrationConfig(shortest_prefix=0.0)
+
+
+def test_distillation_cuts_start_past_the_sinks_and_end_at_the_whole_prefix():
+    assert CalibrationConfig().first_cut == 224  # half of the 448-token default
+    assert CalibrationConfig(shortest_prefix=1.0).first_cut == 448  # always the whole prefix
+    assert CalibrationConfig(prefix_tokens=8, sink_tokens=4, shortest_prefix=0.1).first_cut == 5
 
 
 def test_greedy_margin_loss_is_zero_for_a_faithful_student_and_grows_when_the_greedy_token_flips():
