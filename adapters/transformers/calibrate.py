@@ -226,7 +226,7 @@ def collect_teacher(producer: LoadedModel, consumer: LoadedModel, corpus: str, c
     layout = layout_of(producer.model)
     windows = calibration_windows(consumer.tokenizer, corpus, config.distill_windows, length, config.seed + 1,
                                   config.splits)
-    keys, values, feeds, teachers = [], [], [], []
+    keys, values, tokens, teachers = [], [], [], []
     hidden: dict[int, list[torch.Tensor]] = {layer: [] for layer in hidden_layers}
     own_total = torch.zeros(layout.groups, layout.width, dtype=torch.float64)
     for window in tqdm(windows, desc=f"distil {consumer.name}: teacher", unit="window", disable=not progress):
@@ -238,10 +238,10 @@ def collect_teacher(producer: LoadedModel, consumer: LoadedModel, corpus: str, c
         values.append(produced.values.half())
         for layer in hidden_layers:
             hidden[layer].append(produced.hidden[layer].half())
-        feeds.append(window)
+        tokens.append(window)
         teachers.append(logits.half())  # positions first_cut .. length - 1
     return TeacherData(torch.stack(keys), torch.stack(values), {k: torch.stack(v) for k, v in hidden.items()},
-                       torch.stack(feeds), torch.stack(teachers), own_total / len(windows), config.first_cut)
+                       torch.stack(tokens), torch.stack(teachers), own_total / len(windows), config.first_cut)
 
 
 @dataclass(slots=True)
