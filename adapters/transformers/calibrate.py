@@ -210,11 +210,15 @@ class TeacherData:
     tokens: torch.Tensor  # [N, prefix + continuation] token ids
     teacher: torch.Tensor  # [N, prefix + continuation - first_cut, V] fp16 logits of the consumer's own prefill
     own_mean: torch.Tensor  # [G, C] float64: mean of the consumer's own prefix features (past the sinks)
-    first_cut: int  # position of the teacher's first logits row
 
     @property
     def windows(self) -> int:
         return self.keys.shape[0]
+
+    @property
+    def first_cut(self) -> int:
+        """Position of the teacher's first logits row (the shortest cut)."""
+        return self.tokens.shape[1] - self.teacher.shape[1]
 
 
 @torch.no_grad()
@@ -241,7 +245,7 @@ def collect_teacher(producer: LoadedModel, consumer: LoadedModel, corpus: str, c
         tokens.append(window)
         teachers.append(logits.half())  # positions first_cut .. length - 1
     return TeacherData(torch.stack(keys), torch.stack(values), {k: torch.stack(v) for k, v in hidden.items()},
-                       torch.stack(tokens), torch.stack(teachers), own_total / len(windows), config.first_cut)
+                       torch.stack(tokens), torch.stack(teachers), own_total / len(windows))
 
 
 @dataclass(slots=True)
@@ -251,9 +255,10 @@ class _DistillData:
     sink_values: torch.Tensor
     tokens: torch.Tensor  # [N, prefix + continuation] token ids
     teacher: torch.Tensor  # [N, prefix + continuation - first_cut, V] fp16 logits of the consumer's own prefill
-    first_cut: int
     mean_shift: torch.Tensor  # [G, C]
     hidden: torch.Tensor | None  # [N, T - sinks, P, D] fp16: decoded producer H_in at the space's patch layers
+
+    first_cut = TeacherData.first_cut
 
 
 @torch.no_grad()
@@ -276,8 +281,8 @@ def _through_space(space: CodeSpace, teacher: TeacherData, sinks: int) -> _Disti
             hiddens.append(space.hidden.reconstruct(codes.hidden_codes).half())
     shift = (teacher.own_mean - xhat_total / teacher.windows).float()
     return _DistillData(torch.stack(xhats), teacher.keys[:, :, :, :sinks].float(),
-                        teacher.values[:, :, :, :sinks].float(), teacher.tokens, teacher.teacher, teacher.first_cut,
-                        shift, torch.stack(hiddens) if hiddens else None)
+                        teacher.values[:, :, :, :sinks].float(), teacher.tokens, teacher.teacher, shift,
+                        torch.stack(hiddens) if hiddens else None)
 
 
 def greedy_margin_loss(student: torch.Tensor, teacher: torch.Tensor, cap: float = 1.0) -> torch.Tensor:
@@ -325,13 +330,14 @@ def distil_decoder(producer: LoadedModel, consumer: LoadedModel, space: CodeSpac
         param.requires_grad_(False)
     losses = []
     n = data.xhat.shape[0]
-    prefix = config.prefix_tokens
+    prefix = data.xhat.shape[1] + config.sink_tokens  # the teacher's prefix length
+    first_cut = data.first_cut
     bar = tqdm(range(config.distill_steps), desc=f"distil {consumer.name}: train", unit="step", disable=not progress)
     for step in bar:
         idx = torch.randint(0, n, (config.batch_size,), generator=generator)
         cut = prefix
-        if data.first_cut < prefix:
-            cut = int(torch.randint(data.first_cut, prefix + 1, (1,), generator=generator))
+        if first_cut < prefix:
+            cut = int(torch.randint(first_cut, prefix + 1, (1,), generator=generator))
         coded = cut - config.sink_tokens
         xhat = data.xhat[idx, :coded].float()
         y = xhat + torch.einsum("btgc,gcd->btgd", xhat, weight) + bias
@@ -344,7 +350,7 @@ def distil_decoder(producer: LoadedModel, consumer: LoadedModel, space: CodeSpac
                              config.sink_tokens)
         feed = data.tokens[idx, cut:cut + config.continuation_tokens]
         logits = consumer.model(input_ids=feed, **{cache_kwarg(consumer.model): cache}, use_cache=True).logits
-        rows = slice(cut - data.first_cut, cut - data.first_cut + config.continuation_tokens)
+        rows = slice(cut - first_cut, cut - first_cut + config.continuation_tokens)
         teacher = F.log_softmax(data.teacher[idx, rows].float(), -1)
         student = F.log_softmax(logits, -1)
         kl = F.kl_div(student, teacher, log_target=True, reduction="none").sum(-1).mean()
