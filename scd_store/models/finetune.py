@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -65,13 +66,17 @@ def token_stream(tokenizer, corpus: str, split: str) -> torch.Tensor:
 
 
 def train_adapter(model, tokenizer, recipe: FinetuneRecipe, out: Path, metadata: dict[str, str],
-                  device: str = "cpu") -> dict:
+                  device: str = "cpu", on_step: Callable[[int, float], None] | None = None,
+                  stream: torch.Tensor | None = None) -> dict:
     """Fine-tune ``model`` (modified in place) per ``recipe``; save the adapter to ``out``.
 
     On CUDA the forward runs under bf16 autocast (the adapter's parameters stay fp32).
+    ``on_step(step, loss)`` runs after every optimiser step (e.g. to watch drift while training);
+    it must leave the model's weights alone. ``stream`` replaces the corpus's training tokens.
     """
     torch.manual_seed(recipe.seed)
-    stream = token_stream(tokenizer, recipe.corpus, "train")
+    if stream is None:
+        stream = token_stream(tokenizer, recipe.corpus, "train")
     generator = torch.Generator().manual_seed(recipe.seed)
     wrapped = lora.attach(model, recipe.rank, recipe.alpha, recipe.seed, full=recipe.full)
     model.to(device)
@@ -94,7 +99,7 @@ def train_adapter(model, tokenizer, recipe: FinetuneRecipe, out: Path, metadata:
     losses = []
     start = time.perf_counter()
     bar = tqdm(range(recipe.steps), desc=f"fine-tune {recipe.corpus}", unit="step")
-    for _ in bar:
+    for step in bar:
         starts = torch.randint(0, len(stream) - recipe.seq_len, (recipe.batch_size,), generator=generator)
         batch = torch.stack([stream[s : s + recipe.seq_len] for s in starts.tolist()]).to(device)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda")):
@@ -106,6 +111,9 @@ def train_adapter(model, tokenizer, recipe: FinetuneRecipe, out: Path, metadata:
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
         bar.set_postfix(loss=f"{sum(losses[-10:]) / len(losses[-10:]):.3f}")
+        if on_step is not None:
+            on_step(step + 1, losses[-1])
+            model.train()
     model.eval()
     meta = dict(metadata, recipe=recipe.to_json(), final_loss=f"{sum(losses[-10:]) / len(losses[-10:]):.4f}")
     lora.save_adapter(out, wrapped, meta, full, recipe.delta_format)

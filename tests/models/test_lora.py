@@ -82,3 +82,20 @@ def test_int8_deltas_round_trip_within_a_step_per_row(tmp_path):
         if param.dim() == 2:
             step = (param - initial).abs().amax(dim=1, keepdim=True) / 127
             assert ((params[name] - param).abs() <= step * 0.51 + 1e-6).all()
+
+
+def test_train_adapter_reports_every_step_and_writes_a_mergeable_adapter(tmp_path):
+    from scd_store.models.finetune import FinetuneRecipe, train_adapter
+
+    model = tiny_llama(seed=0)
+    recipe = FinetuneRecipe("python", seed=3, rank=2, alpha=4.0, lr=1e-2, seq_len=32, batch_size=2, steps=4,
+                            warmup_steps=1)
+    seen = []
+    stream = torch.randint(0, 128, (512,), generator=torch.Generator().manual_seed(0))
+    stats = train_adapter(model, None, recipe, tmp_path / "a.safetensors", {"consumer": "t"},
+                          on_step=lambda step, loss: seen.append((step, loss)), stream=stream)
+    assert [s for s, _ in seen] == [1, 2, 3, 4]
+    assert all(torch.isfinite(torch.tensor(loss)) for _, loss in seen)
+    assert stats["tokens"] == 4 * 2 * 32 and not model.training
+    merged = tiny_llama(seed=0)
+    assert lora.merge_adapter(merged, tmp_path / "a.safetensors", recipe.scale) > 0
