@@ -35,8 +35,10 @@ CONSUMERS: dict[str, ConsumerSpec] = {
         # trained on CUDA (about 140 s on an H200; hours on 2 CPU cores) by benchmarks/train_consumers_cuda.py
         ConsumerSpec("smollm2-135m-shakespeare",
                      FinetuneRecipe(corpus="shakespeare", seed=1, lr=1e-3, batch_size=16, steps=600)),
-        # trained on 2 CPU cores (about 25 minutes) by `scd-store models train`
-        ConsumerSpec("smollm2-135m-python", FinetuneRecipe(corpus="python", seed=2, lr=2e-3, batch_size=4, steps=160)),
+        # trained on 2 CPU cores (about 27 minutes) by `scd-store models train`; 512-token sequences, so the
+        # fine-tune covers the positions a 448 + 64 window reaches
+        ConsumerSpec("smollm2-135m-python", FinetuneRecipe(corpus="python", seed=2, lr=2e-3, seq_len=512, batch_size=2,
+                                                           steps=160)),
     )
 }
 
