@@ -77,6 +77,8 @@ def train_adapter(model, tokenizer, recipe: FinetuneRecipe, out: Path, metadata:
     torch.manual_seed(recipe.seed)
     if stream is None:
         stream = token_stream(tokenizer, recipe.corpus, "train")
+    if len(stream) <= recipe.seq_len:
+        raise ValueError(f"{len(stream)} training tokens cannot fill a {recipe.seq_len}-token sequence")
     generator = torch.Generator().manual_seed(recipe.seed)
     wrapped = lora.attach(model, recipe.rank, recipe.alpha, recipe.seed, full=recipe.full)
     model.to(device)

@@ -99,3 +99,14 @@ def test_train_adapter_reports_every_step_and_writes_a_mergeable_adapter(tmp_pat
     assert stats["tokens"] == 4 * 2 * 32 and not model.training
     merged = tiny_llama(seed=0)
     assert lora.merge_adapter(merged, tmp_path / "a.safetensors", recipe.scale) > 0
+
+
+def test_train_adapter_refuses_a_stream_shorter_than_a_sequence(tmp_path):
+    import pytest
+
+    from scd_store.models.finetune import FinetuneRecipe, train_adapter
+
+    recipe = FinetuneRecipe("python", rank=2, seq_len=32, steps=1)
+    with pytest.raises(ValueError, match="cannot fill a 32-token sequence"):
+        train_adapter(tiny_llama(), None, recipe, tmp_path / "a.safetensors", {}, stream=torch.arange(32))
+    assert not (tmp_path / "a.safetensors").exists()
