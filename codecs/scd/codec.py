@@ -40,7 +40,6 @@ class ScdCodec(Codec):
         self._rope = RopeTable(space.layout.head_dim, space.layout.rope_theta)
         self._matrices: dict[tuple[str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         self._patches: dict[str, dict] = {}
-        self._rows: dict[str, torch.Tensor] = {}
 
     def encode(self, state: KVState) -> bytes:
         return self.space.encode(state)
@@ -53,15 +52,6 @@ class ScdCodec(Codec):
             active = self.space.active_components
             self._matrices[key] = (matrix[:, :active].contiguous(), offset.unsqueeze(1).contiguous())
         return self._matrices[key]
-
-    def _gather_rows(self, sorted_row: torch.Tensor, device) -> torch.Tensor:
-        """Per group, the storage rows of its active components: ``[G, active]`` (0-bit -> the zero row)."""
-        key = str(device)
-        if key not in self._rows:
-            layout = self.space.layout
-            rows = sorted_row.view(layout.groups, layout.width)[:, :self.space.active_components]
-            self._rows[key] = rows.contiguous().to(device)
-        return self._rows[key]
 
     def _patched(self, layer: int, features: torch.Tensor, hidden: torch.Tensor | None, device) -> None:
         """Overwrite layer ``layer``'s K / V features ``[2, T, C]`` with its aligner's output."""
@@ -97,21 +87,26 @@ class ScdCodec(Codec):
         if not coded:
             return KVState(keys, values, start=codes.start)
         matrix, offset = self._folded(device, torch.float32)
-        rows = self._gather_rows(codes.sorted_row, device)
         active = matrix.shape[1]
+        rows = codes.sorted_row.view(layout.groups, layout.width)[:, :active]  # 0-bit components: the zero row
         hidden = None
         if self.space.hidden is not None:
             hidden = self.space.hidden.reconstruct(codes.hidden_codes)  # [T, P, D]
         patched = {p.layer for p in self.decoder.patches}
         step = self._layers_per_step(coded, device)
+        # one step's gathered codes, their float copy and its features, reused by every step
+        gathered = torch.empty(2 * step * active, coded, device=device, dtype=torch.uint8)
+        as_float = torch.empty(2 * step, active, coded, device=device, dtype=torch.float32)
+        features = torch.empty(2 * step, coded, layout.width, device=device, dtype=torch.float32)
         for first in range(0, layout.num_layers, step):
             last = min(layout.num_layers, first + step)
-            groups = slice(2 * first, 2 * last)
-            q = codes.sorted_codes.index_select(0, rows[groups].flatten()).view(2 * (last - first), active, coded)
-            features = torch.baddbmm(offset[groups], q.to(torch.float32).transpose(1, 2), matrix[groups])
+            n, groups = 2 * (last - first), slice(2 * first, 2 * last)
+            q = torch.index_select(codes.sorted_codes, 0, rows[groups].flatten(), out=gathered[:n * active])
+            q = as_float[:n].copy_(q.view(n, active, coded))
+            f = torch.baddbmm(offset[groups], q.transpose(1, 2), matrix[groups], out=features[:n])
             for layer in patched.intersection(range(first, last)):
                 pair = 2 * (layer - first)
-                self._patched(layer, features[pair:pair + 2], hidden, device)
-            write_token_major(features, layout, codes.start + sinks, self._rope, keys[first:last, :, sinks:],
+                self._patched(layer, f[pair:pair + 2], hidden, device)
+            write_token_major(f, layout, codes.start + sinks, self._rope, keys[first:last, :, sinks:],
                               values[first:last, :, sinks:])
         return KVState(keys, values, start=codes.start)

@@ -10,7 +10,8 @@ water-filling done greedily: each extra bit goes where it removes the most weigh
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import torch
 
@@ -84,8 +85,9 @@ class PackingPlan:
     """Where each component's codes live in a packed payload, for one bit allocation."""
 
     widths: tuple[_Width, ...]
-    sorted_row: torch.Tensor  # [n] int64: a component's row in :func:`unpack_sorted`'s output (0-bit: the zero row)
-    carried: int  # components with bits (rows before the zero row)
+    sorted_row: torch.Tensor  # [n] int64: a component's rank in storage order (0-bit: ``carried``)
+    carried: int  # components with bits
+    _rows: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, bits: torch.Tensor) -> PackingPlan:
@@ -110,6 +112,33 @@ class PackingPlan:
                 _PLANS.pop(next(iter(_PLANS)))
             _PLANS[key] = plan
         return plan
+
+    def region_rows(self, tokens: int) -> tuple[list[int], int]:
+        """First row of each width's region in :func:`unpack_sorted`'s output for ``tokens`` columns,
+        and the zero row. Regions start on rows whose byte offset is a multiple of 8, so every
+        region is unpacked with 64-bit word operations straight into the one output buffer."""
+        align = 8 // math.gcd(tokens, 8)
+        starts, row = [], 0
+        for w in self.widths:
+            row = -(-row // align) * align
+            starts.append(row)
+            row += int(w.columns.numel())
+        return starts, row
+
+    def rows(self, tokens: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """``[n]`` int64: each component's row in :func:`unpack_sorted`'s output for ``tokens``
+        columns (0-bit components: the zero row), on ``device``; cached."""
+        key = (8 // math.gcd(tokens, 8), str(device))
+        if key not in self._rows:
+            starts, zero_row = self.region_rows(tokens)
+            shift = torch.full((self.carried + 1,), zero_row, dtype=torch.int64)
+            rank = 0
+            for w, start in zip(self.widths, starts, strict=True):
+                n = int(w.columns.numel())
+                shift[rank:rank + n] = torch.arange(start, start + n)
+                rank += n
+            self._rows[key] = shift[self.sorted_row].to(device)
+        return self._rows[key]
 
 
 _PLANS: dict[bytes, PackingPlan] = {}
@@ -149,57 +178,66 @@ def pack_codes(codes: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     return torch.cat(chunks)
 
 
+def _unpack_part(words: torch.Tensor, part: int, shift: int, out: torch.Tensor) -> torch.Tensor:
+    """The ``8 / part`` planes of one packed part, each value moved to bit ``shift``, into ``out``
+    ``[8 / part, words]`` (int64 words of eight values each): one broadcast shift and one mask for
+    all planes (measured 1.8x faster here than a shift per plane)."""
+    if part == 8:
+        out[0].copy_(words)
+    else:
+        offsets = torch.arange(0, 8, part, dtype=torch.int64, device=words.device).unsqueeze(1)
+        torch.bitwise_right_shift(words.unsqueeze(0), offsets, out=out)
+        out &= ((1 << part) - 1) * _LOW_BYTES
+    if shift:
+        out <<= shift
+    return out
+
+
 def unpack_sorted(packed: torch.Tensor, tokens: int, bits: torch.Tensor) -> torch.Tensor:
-    """Invert :func:`pack_codes` into ``[carried + 1, tokens]`` uint8 rows in storage order (bit widths
-    high to low) plus a final zero row: ``PackingPlan.of(bits).sorted_row[j]`` is component ``j``'s row."""
+    """Invert :func:`pack_codes` into uint8 rows of ``tokens`` codes in storage order (bit widths high
+    to low, each width's region on an 8-byte boundary) with a zero row last:
+    ``PackingPlan.of(bits).rows(tokens)[j]`` is component ``j``'s row."""
     plan = PackingPlan.of(bits)
     expected = packed_size(tokens, bits)
     if packed.numel() != expected:
         raise ValueError(f"packed codes hold {packed.numel()} bytes, expected {expected}")
     if packed.storage_offset() % 8:
         packed = packed.clone()
-    regions, offset = [], 0
-    for w in plan.widths:
+    starts, zero_row = plan.region_rows(tokens)
+    # a region's planes may run up to a few words past its last code: later regions overwrite that
+    ends = [zero_row * tokens + tokens]
+    for w, start in zip(plan.widths, starts, strict=True):
         count = tokens * int(w.columns.numel())
-        region_len = max((8 // part) * _segment(count, part) for part, _ in w.parts)
-        region = torch.empty(region_len // 8, dtype=torch.int64, device=packed.device)
-        scratch = None
+        ends.append(start * tokens + max((8 // part) * _segment(count, part) for part, _ in w.parts))
+    buffer = torch.empty(-(-max(ends) // 8), dtype=torch.int64, device=packed.device)
+    offset = 0
+    for w, start in zip(plan.widths, starts, strict=True):
+        count = tokens * int(w.columns.numel())
+        first = start * tokens // 8
         for n_part, (part, shift) in enumerate(w.parts):
             seg = _segment(count, part)
             words = packed[offset:offset + seg].view(torch.int64)
             offset += seg
-            mask = ((1 << part) - 1) * _LOW_BYTES if part < 8 else -1
-            for i in range(8 // part):
-                out = region[i * seg // 8:(i + 1) * seg // 8]
-                if n_part == 0:
-                    torch.bitwise_right_shift(words, i * part, out=out)
-                    if part < 8:
-                        out &= mask
-                    if shift:
-                        out <<= shift
-                else:
-                    if scratch is None or scratch.numel() < seg // 8:
-                        scratch = torch.empty(seg // 8, dtype=torch.int64, device=packed.device)
-                    tmp = scratch[:seg // 8]
-                    torch.bitwise_right_shift(words, i * part, out=tmp)
-                    tmp &= mask
-                    if shift:
-                        tmp <<= shift
-                    out |= tmp
-        regions.append(region.view(torch.uint8)[:count].view(-1, tokens))
-    regions.append(torch.zeros(1, tokens, dtype=torch.uint8, device=packed.device))
-    return torch.cat(regions)
+            n = (8 // part) * (seg // 8)
+            out = buffer[first:first + n].view(8 // part, seg // 8)
+            if n_part == 0:
+                _unpack_part(words, part, shift, out)
+            else:
+                out |= _unpack_part(words, part, shift, torch.empty_like(out))
+    rows = buffer.view(torch.uint8)[:(zero_row + 1) * tokens].view(zero_row + 1, tokens)
+    rows[zero_row] = 0
+    return rows
 
 
-def by_component(sorted_codes: torch.Tensor, sorted_row: torch.Tensor) -> torch.Tensor:
-    """Component-major codes ``[n, tokens]`` from :func:`unpack_sorted`'s rows and the plan's ``sorted_row``."""
-    return sorted_codes.index_select(0, sorted_row.to(sorted_codes.device))
+def by_component(sorted_codes: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Component-major codes ``[n, tokens]`` from :func:`unpack_sorted`'s output and the plan's ``rows``."""
+    return sorted_codes.index_select(0, rows.to(sorted_codes.device))
 
 
 def unpack_codes_by_component(packed: torch.Tensor, tokens: int, bits: torch.Tensor) -> torch.Tensor:
     """Invert :func:`pack_codes` into component-major codes ``[n, tokens]`` (uint8; zero rows for
     0-bit columns)."""
-    return by_component(unpack_sorted(packed, tokens, bits), PackingPlan.of(bits).sorted_row)
+    return by_component(unpack_sorted(packed, tokens, bits), PackingPlan.of(bits).rows(tokens, packed.device))
 
 
 def unpack_codes(packed: torch.Tensor, tokens: int, bits: torch.Tensor) -> torch.Tensor:

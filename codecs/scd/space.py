@@ -32,8 +32,8 @@ class SpaceCodes:
 
     start: int
     num_tokens: int
-    sorted_codes: torch.Tensor  # [carried + 1, T - sinks] uint8, storage order + a zero row (PackingPlan.sorted_row)
-    sorted_row: torch.Tensor  # [groups * C] int64: each component's row in sorted_codes
+    sorted_codes: torch.Tensor  # [rows, T - sinks] uint8 in storage order with a zero row (unpack_sorted)
+    sorted_row: torch.Tensor  # [groups * C] int64: each component's row in sorted_codes (PackingPlan.rows)
     sinks: KVState | None  # the first tokens' raw KV (absolute positions < sink_tokens)
     hidden_codes: torch.Tensor | None = None  # [T - sinks, patch layers * hidden size], PATCH spaces only
 
@@ -47,7 +47,7 @@ def _section(tensors: dict[str, torch.Tensor], name: str, coded: int, bits: torc
              ) -> torch.Tensor:
     """Unpacked codes ``[carried + 1, coded]`` in storage order of one packed section, its size checked first."""
     if not coded:
-        return torch.zeros(PackingPlan.of(bits).carried + 1, 0, dtype=torch.uint8, device=device)
+        return torch.zeros(PackingPlan.of(bits).region_rows(0)[1] + 1, 0, dtype=torch.uint8, device=device)
     packed = tensors[name].to(device)
     if packed.numel() != packed_size(coded, bits):
         raise PayloadError(f"payload section {name} has the wrong size")
@@ -209,7 +209,7 @@ class CodeSpace:
             if self.hidden is not None:
                 hidden_bits = self.hidden.bits.flatten()
                 hidden_codes = _section(t, "hidden_codes", coded, hidden_bits, device)
-                hidden_codes = by_component(hidden_codes, PackingPlan.of(hidden_bits).sorted_row).t()
+                hidden_codes = by_component(hidden_codes, PackingPlan.of(hidden_bits).rows(coded, device)).t()
             sink_state = None
             if sinks:
                 sink_state = KVState(t["sink_keys"].to(device), t["sink_values"].to(device), start=start)
@@ -220,7 +220,7 @@ class CodeSpace:
             if isinstance(exc, PayloadError):
                 raise
             raise PayloadError(f"scd payload is inconsistent: {exc}") from None
-        return SpaceCodes(start, tokens, codes, PackingPlan.of(self.bits).sorted_row, sink_state, hidden_codes)
+        return SpaceCodes(start, tokens, codes, PackingPlan.of(self.bits).rows(coded, device), sink_state, hidden_codes)
 
     def reconstruct(self, codes: torch.Tensor) -> torch.Tensor:
         """Basis coordinates ``[T, groups, C]`` (quantiser mid-points) of integer ``codes``."""
