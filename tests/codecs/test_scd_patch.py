@@ -41,7 +41,7 @@ def _rel(a, b):
     return float((a - b).norm() / b.norm())
 
 
-def test_hidden_patch_regenerates_the_consumers_own_kv():
+def test_hidden_patch_regenerates_the_consumers_own_kv(monkeypatch):
     model = tiny_llama(seed=0)
     space = _space(model, budget=0.5)
     assert all(int(space.bits[2 * layer : 2 * layer + 2].sum()) == 0 for layer in PATCHED)
@@ -55,6 +55,12 @@ def test_hidden_patch_regenerates_the_consumers_own_kv():
     out = codec.decode(codec.encode(state))
     # layer 1's K / V are not in the payload: they come from the coded H_in through the model's own W_k / W_v
     assert _rel(out.keys[1], state.keys[1]) < 0.05 and _rel(out.values[1], state.values[1]) < 0.05
+    # decoded in token chunks on a CPU, the aligners read the matching rows of H_in
+    import scd_store.codecs.scd.codec as codec_module
+    monkeypatch.setattr(codec_module, "_CPU_STEP_TOKENS", 7)
+    chunked = codec.decode(codec.encode(state))
+    torch.testing.assert_close(chunked.keys, out.keys, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(chunked.values, out.values, atol=1e-5, rtol=1e-5)
     without_patch_payload = ScdCodec(_space(model, budget=0.5, patched=())).encode(state)
     assert len(codec.encode(state)) > len(without_patch_payload)  # H_in (width 64) costs more than K+V (32)
 
