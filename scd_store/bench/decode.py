@@ -1,6 +1,11 @@
 """``scd-store bench decode``: time to turn a prefix's SCD codes into a consumer's full KV, against
 the consumer's own prefill of the same tokens, measured side by side in one run.
 
+Prefill and decode are interleaved (each round: one prefill, then ``decodes_per_round`` decodes),
+so both see the same machine. ``decode_vs_prefill`` is the ratio of the best times (other
+processes only ever add time, and they add proportionally more to a 30 ms decode than to a
+1.3 s prefill, which averages them in); ``decode_vs_prefill_median`` is the ratio of the medians.
+
 Runs on the real prepared pair and bundle when given, else on a random-init model of the
 producer's architecture with a code space fitted to its own KV (speed does not depend on weights).
 """
@@ -32,31 +37,48 @@ SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, n
 class DecodeBenchConfig:
     prefix_tokens: tuple[int, ...] = (448, 2048)
     budget: float = 0.25
-    repeats: int = 5
+    repeats: int = 5  # rounds: one prefill and decodes_per_round decodes each
+    decodes_per_round: int = 5
     device: str = "cpu"
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
-        if not self.prefix_tokens or min(self.prefix_tokens) <= 8 or self.repeats <= 0:
-            raise ValueError("prefix lengths must be > 8 and repeats positive")
+        if not self.prefix_tokens or min(self.prefix_tokens) <= 8 or min(self.repeats, self.decodes_per_round) <= 0:
+            raise ValueError("prefix lengths must be > 8; repeats and decodes_per_round positive")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, not {self.dtype}")
 
 
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], object], device: str) -> float:
+    """Wall time of one call of ``fn`` in seconds, synchronising CUDA."""
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - start
+
+
 def timed_median(fn: Callable[[], object], repeats: int, device: str) -> float:
     """Median wall time of ``fn`` in seconds (after one warm-up), synchronising CUDA."""
-    def sync() -> None:
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
     fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(timed(fn, device) for _ in range(repeats))
+
+
+def side_by_side(prefill: Callable[[], object], decode: Callable[[], object], rounds: int, decodes_per_round: int,
+                 device: str) -> dict[str, list[float]]:
+    """Interleaved timings (seconds) after one warm-up of each: per round one prefill, then
+    ``decodes_per_round`` decodes."""
+    prefill(), decode()
+    times: dict[str, list[float]] = {"prefill": [], "decode": []}
+    for _ in range(rounds):
+        times["prefill"].append(timed(prefill, device))
+        times["decode"].extend(timed(decode, device) for _ in range(decodes_per_round))
+    return times
 
 
 def random_model(device: str, dtype: torch.dtype, seed: int = 0) -> LlamaForCausalLM:
@@ -77,7 +99,7 @@ def self_fitted_space(model: LlamaForCausalLM, ids: torch.Tensor, budget: float)
 @torch.no_grad()
 def run_decode_bench(config: DecodeBenchConfig, codec: ScdCodec | None = None,
                      consumer: torch.nn.Module | None = None) -> dict:
-    """Per prefix length: encode, decode and prefill medians and ``decode_vs_prefill``."""
+    """Per prefix length: encode, decode and prefill times (medians and bests) and ``decode_vs_prefill``."""
     dtype = getattr(torch, config.dtype)
     model = consumer if consumer is not None else random_model(config.device, dtype)
     generator = torch.Generator().manual_seed(0)
@@ -93,20 +115,24 @@ def run_decode_bench(config: DecodeBenchConfig, codec: ScdCodec | None = None,
         state, _ = prefill_capture(model, ids, hidden_layers=bench_codec.space.patch_layers)
         payload = bench_codec.encode(state.to(dtype=torch.float32))
         # the consumer's own prefill as a server runs it: logits for the last token only
-        prefill_s = timed_median(lambda ids=ids: prefill_capture(model, ids, last_logits_only=True), config.repeats,
-                           config.device)
-        decode_s = timed_median(lambda p=payload, c=bench_codec: c.decode(p, device=config.device, dtype=dtype),
-                          config.repeats, config.device)
+        times = side_by_side(lambda ids=ids: prefill_capture(model, ids, last_logits_only=True),
+                             lambda p=payload, c=bench_codec: c.decode(p, device=config.device, dtype=dtype),
+                             config.repeats, config.decodes_per_round, config.device)
+        prefill, decode = times["prefill"], times["decode"]
         encode_s = timed_median(lambda s=state, c=bench_codec: c.encode(s), config.repeats, config.device)
         results.append({
             "prefix_tokens": length,
             "payload_bytes": len(payload),
             "payload_ratio": round(len(payload) / state.fp16_bytes(), 4),
-            "prefill_ms": round(prefill_s * 1e3, 3),
-            "decode_ms": round(decode_s * 1e3, 3),
+            "prefill_ms": round(statistics.median(prefill) * 1e3, 3),
+            "decode_ms": round(statistics.median(decode) * 1e3, 3),
+            "prefill_best_ms": round(min(prefill) * 1e3, 3),
+            "decode_best_ms": round(min(decode) * 1e3, 3),
             "encode_ms": round(encode_s * 1e3, 3),
-            "decode_vs_prefill": round(decode_s / prefill_s, 4),
+            "decode_vs_prefill": round(min(decode) / min(prefill), 4),
+            "decode_vs_prefill_median": round(statistics.median(decode) / statistics.median(prefill), 4),
         })
     return {"device": config.device, "dtype": config.dtype, "budget": config.budget,
             "model": "real" if consumer is not None else "random-init SmolLM2-135M geometry",
-            "threads": torch.get_num_threads(), "results": results}
+            "threads": torch.get_num_threads(), "rounds": config.repeats, "decodes_per_round": config.decodes_per_round,
+            "results": results}

@@ -94,7 +94,7 @@ def _bench_decode(args: argparse.Namespace) -> int:
     from scd_store.bench.decode import DecodeBenchConfig, run_decode_bench
 
     config = DecodeBenchConfig(prefix_tokens=tuple(args.prefix_tokens), budget=args.budget, repeats=args.repeats,
-                               device=args.device, dtype=args.dtype)
+                               decodes_per_round=args.decodes_per_round, device=args.device, dtype=args.dtype)
     codec = consumer = None
     if args.bundle:
         from scd_store.adapters.transformers import load_model
@@ -201,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     decode = bench.add_parser("decode", help="SCD decode time against the consumer's own prefill")
     decode.add_argument("--prefix-tokens", type=int, nargs="+", default=[448, 2048])
     decode.add_argument("--budget", type=float, default=0.25)
-    decode.add_argument("--repeats", type=int, default=5)
+    decode.add_argument("--repeats", type=int, default=5, help="rounds of one prefill and --decodes-per-round decodes")
+    decode.add_argument("--decodes-per-round", type=int, default=5)
     decode.add_argument("--device", default="cpu")
     decode.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     decode.add_argument("--json", type=Path)
