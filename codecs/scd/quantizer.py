@@ -142,6 +142,13 @@ class PackingPlan:
 
 
 _PLANS: dict[bytes, PackingPlan] = {}
+_OFFSETS: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _plan(bits: torch.Tensor | PackingPlan) -> PackingPlan:
+    """``bits`` itself when it is already a plan (callers that decode often keep theirs: looking a
+    plan up hashes the whole allocation)."""
+    return bits if isinstance(bits, PackingPlan) else PackingPlan.of(bits)
 
 
 def _segment(count: int, part: int) -> int:
@@ -151,17 +158,16 @@ def _segment(count: int, part: int) -> int:
     return -(-plane // 8) * 8
 
 
-def packed_size(tokens: int, bits: torch.Tensor) -> int:
+def packed_size(tokens: int, bits: torch.Tensor | PackingPlan) -> int:
     """Bytes :func:`pack_codes` produces for ``tokens`` rows."""
-    return sum(_segment(tokens * int(w.columns.numel()), part)
-               for w in PackingPlan.of(bits).widths for part, _ in w.parts)
+    return sum(_segment(tokens * int(w.columns.numel()), part) for w in _plan(bits).widths for part, _ in w.parts)
 
 
-def pack_codes(codes: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+def pack_codes(codes: torch.Tensor, bits: torch.Tensor | PackingPlan) -> torch.Tensor:
     """Pack ``codes`` ``[T, n]`` (uint8) using ``bits[j]`` bits for column ``j``; a flat uint8 tensor."""
     chunks = []
     tokens = codes.shape[0]
-    for w in PackingPlan.of(bits).widths:
+    for w in _plan(bits).widths:
         values = codes[:, w.columns.to(codes.device)].t().flatten()
         for part, shift in w.parts:
             field = (values >> shift) & ((1 << part) - 1) if part < 8 else values
@@ -185,20 +191,22 @@ def _unpack_part(words: torch.Tensor, part: int, shift: int, out: torch.Tensor) 
     if part == 8:
         out[0].copy_(words)
     else:
-        offsets = torch.arange(0, 8, part, dtype=torch.int64, device=words.device).unsqueeze(1)
-        torch.bitwise_right_shift(words.unsqueeze(0), offsets, out=out)
+        key = (part, str(words.device))
+        if key not in _OFFSETS:
+            _OFFSETS[key] = torch.arange(0, 8, part, dtype=torch.int64, device=words.device).unsqueeze(1)
+        torch.bitwise_right_shift(words.unsqueeze(0), _OFFSETS[key], out=out)
         out &= ((1 << part) - 1) * _LOW_BYTES
     if shift:
         out <<= shift
     return out
 
 
-def unpack_sorted(packed: torch.Tensor, tokens: int, bits: torch.Tensor) -> torch.Tensor:
+def unpack_sorted(packed: torch.Tensor, tokens: int, bits: torch.Tensor | PackingPlan) -> torch.Tensor:
     """Invert :func:`pack_codes` into uint8 rows of ``tokens`` codes in storage order (bit widths high
     to low, each width's region on an 8-byte boundary) with a zero row last:
     ``PackingPlan.of(bits).rows(tokens)[j]`` is component ``j``'s row."""
-    plan = PackingPlan.of(bits)
-    expected = packed_size(tokens, bits)
+    plan = _plan(bits)
+    expected = packed_size(tokens, plan)
     if packed.numel() != expected:
         raise ValueError(f"packed codes hold {packed.numel()} bytes, expected {expected}")
     if packed.storage_offset() % 8:

@@ -43,15 +43,15 @@ class SpaceCodes:
         return by_component(self.sorted_codes, self.sorted_row).t()
 
 
-def _section(tensors: dict[str, torch.Tensor], name: str, coded: int, bits: torch.Tensor, device
+def _section(tensors: dict[str, torch.Tensor], name: str, coded: int, plan: PackingPlan, device
              ) -> torch.Tensor:
-    """Unpacked codes ``[carried + 1, coded]`` in storage order of one packed section, its size checked first."""
+    """Unpacked codes ``[rows, coded]`` in storage order of one packed section, its size checked first."""
     if not coded:
-        return torch.zeros(PackingPlan.of(bits).region_rows(0)[1] + 1, 0, dtype=torch.uint8, device=device)
+        return torch.zeros(plan.region_rows(0)[1] + 1, 0, dtype=torch.uint8, device=device)
     packed = tensors[name].to(device)
-    if packed.numel() != packed_size(coded, bits):
+    if packed.numel() != packed_size(coded, plan):
         raise PayloadError(f"payload section {name} has the wrong size")
-    return unpack_sorted(packed, coded, bits)
+    return unpack_sorted(packed, coded, plan)
 
 
 @dataclass(slots=True)
@@ -74,6 +74,7 @@ class CodeSpace:
     producer_fingerprint: str = ""
     hidden: HiddenCode | None = None
     _fingerprint: str = field(default="", repr=False)
+    _plans: tuple[PackingPlan, PackingPlan | None] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         g, c = self.layout.groups, self.layout.width
@@ -92,6 +93,7 @@ class CodeSpace:
                 raise ValueError("K / V groups of patch layers must carry no bits (the consumer regenerates them)")
         extra = f"{self.layout}|{self.sink_tokens}" + (f"|{self.patch_layers}" if self.patch_layers else "")
         self._fingerprint = tensors_fingerprint(self.tensors(), extra=extra)  # REUSE spaces keep their old ids
+        self._plans = (PackingPlan.of(self.bits), PackingPlan.of(self.hidden.bits) if self.hidden is not None else None)
 
     @classmethod
     def from_statistics(cls, space_id: str, layout: KVLayout, mean: torch.Tensor, cov: torch.Tensor, budget: float,
@@ -184,10 +186,10 @@ class CodeSpace:
             z = self.project(to_features(rest, self.layout)).reshape(coded, -1)
             flat_bits = self.bits.flatten().to(z.device)
             codes = quantize(z, self.sigma.flatten().to(z), flat_bits)
-            tensors["codes"] = pack_codes(codes, flat_bits)
+            tensors["codes"] = pack_codes(codes, self._plans[0])
             if self.hidden is not None:
                 hidden_codes = self.hidden.quantize(state.hidden, sinks)
-                tensors["hidden_codes"] = pack_codes(hidden_codes, self.hidden.bits.flatten().to(z.device))
+                tensors["hidden_codes"] = pack_codes(hidden_codes, self._plans[1])
         meta = {"space": self.fingerprint, "packing": PACKING, "start": state.start, "tokens": state.num_tokens,
                 "sinks": sinks}
         return pack(CODEC_ID, meta, tensors)
@@ -204,12 +206,12 @@ class CodeSpace:
             coded = tokens - sinks
             if start < 0 or coded < 0 or sinks != max(0, min(self.sink_tokens - start, tokens)):
                 raise PayloadError("payload token counts are inconsistent")
-            codes = _section(t, "codes", coded, self.bits.flatten(), device)
+            plan, hidden_plan = self._plans
+            codes = _section(t, "codes", coded, plan, device)
             hidden_codes = None
             if self.hidden is not None:
-                hidden_bits = self.hidden.bits.flatten()
-                hidden_codes = _section(t, "hidden_codes", coded, hidden_bits, device)
-                hidden_codes = by_component(hidden_codes, PackingPlan.of(hidden_bits).rows(coded, device)).t()
+                hidden_codes = _section(t, "hidden_codes", coded, hidden_plan, device)
+                hidden_codes = by_component(hidden_codes, hidden_plan.rows(coded, device)).t()
             sink_state = None
             if sinks:
                 sink_state = KVState(t["sink_keys"].to(device), t["sink_values"].to(device), start=start)
@@ -220,7 +222,7 @@ class CodeSpace:
             if isinstance(exc, PayloadError):
                 raise
             raise PayloadError(f"scd payload is inconsistent: {exc}") from None
-        return SpaceCodes(start, tokens, codes, PackingPlan.of(self.bits).rows(coded, device), sink_state, hidden_codes)
+        return SpaceCodes(start, tokens, codes, plan.rows(coded, device), sink_state, hidden_codes)
 
     def reconstruct(self, codes: torch.Tensor) -> torch.Tensor:
         """Basis coordinates ``[T, groups, C]`` (quantiser mid-points) of integer ``codes``."""
