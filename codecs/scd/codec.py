@@ -105,17 +105,19 @@ class ScdCodec(Codec):
         for first in range(0, layout.num_layers, step):
             last = min(layout.num_layers, first + step)
             n, groups = 2 * (last - first), slice(2 * first, 2 * last)
-            index = rows[groups].flatten()
+            index, step_offset, step_matrix = rows[groups].flatten(), offset[groups], matrix[groups]
+            step_keys, step_values = keys[first:last, :, sinks:], values[first:last, :, sinks:]
             for lo in range(0, coded, span):
                 hi = min(coded, lo + span)
-                size = n * active * (hi - lo)
-                q = torch.index_select(codes.sorted_codes[:, lo:hi], 0, index, out=gathered[:size].view(-1, hi - lo))
-                q = as_float[:size].view(n, active, hi - lo).copy_(q.view(n, active, hi - lo))
-                f = torch.baddbmm(offset[groups], q.transpose(1, 2), matrix[groups],
-                                  out=features[:n * (hi - lo) * layout.width].view(n, hi - lo, layout.width))
+                t = hi - lo
+                size = n * active * t
+                q = torch.index_select(codes.sorted_codes[:, lo:hi], 0, index, out=gathered[:size].view(n * active, t))
+                q = as_float[:size].view(n, active, t).copy_(q.view(n, active, t))
+                f = torch.baddbmm(step_offset, q.transpose(1, 2), step_matrix,
+                                  out=features[:n * t * layout.width].view(n, t, layout.width))
                 for layer in patched.intersection(range(first, last)):
                     pair = 2 * (layer - first)
                     self._patched(layer, f[pair:pair + 2], None if hidden is None else hidden[lo:hi], device)
-                span_out = (slice(first, last), slice(None), slice(sinks + lo, sinks + hi))
-                write_token_major(f, layout, codes.start + sinks + lo, self._rope, keys[span_out], values[span_out])
+                write_token_major(f, layout, codes.start + sinks + lo, self._rope, step_keys[:, :, lo:hi],
+                                  step_values[:, :, lo:hi])
         return KVState(keys, values, start=codes.start)

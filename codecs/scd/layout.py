@@ -87,6 +87,6 @@ def write_token_major(features: torch.Tensor, layout: KVLayout, start: int, rope
     ``[L', H, T, D]`` (any strides), moving heads and rotating keys in one pass per tensor."""
     groups, t, _ = features.shape
     f = features.view(groups // 2, 2, t, layout.kv_heads, layout.head_dim)
-    cos, sin = rope.get(start, t, features.device, features.dtype)
+    cos, sin = rope.halves(start, t, features.device, features.dtype)
     rotate_into(keys_out, f[:, 0].permute(0, 2, 1, 3), cos, sin)
     values_out.copy_(f[:, 1].permute(0, 2, 1, 3))

@@ -39,30 +39,41 @@ class RopeTable:
 
     def __init__(self, head_dim: int, theta: float):
         self.head_dim, self.theta = head_dim, theta
-        self._tables: dict[tuple[str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._tables: dict[tuple[str, torch.dtype], tuple[torch.Tensor, ...]] = {}
+
+    def _table(self, end: int, device: torch.device | str, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        key = (str(device), dtype)
+        table = self._tables.get(key)
+        if table is None or table[0].shape[0] < end:
+            size = max(1024, 1 << (end - 1).bit_length())
+            cos, sin = rope_cos_sin(torch.arange(size, device=device), self.head_dim, self.theta, dtype=dtype)
+            half = self.head_dim // 2
+            table = (cos, sin, cos[:, :half].contiguous(), sin[:, :half].contiguous())
+            self._tables[key] = table
+        return table
 
     def get(self, start: int, length: int, device: torch.device | str, dtype: torch.dtype
             ) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos``, ``sin`` ``[length, head_dim]`` for positions ``start..start + length``."""
-        key = (str(device), dtype)
-        cos, sin = self._tables.get(key, (None, None))
-        end = start + length
-        if cos is None or cos.shape[0] < end:
-            size = max(1024, 1 << (end - 1).bit_length())
-            cos, sin = rope_cos_sin(torch.arange(size, device=device), self.head_dim, self.theta, dtype=dtype)
-            self._tables[key] = (cos, sin)
-        return cos[start:end], sin[start:end]
+        cos, sin, _, _ = self._table(start + length, device, dtype)
+        return cos[start:start + length], sin[start:start + length]
+
+    def halves(self, start: int, length: int, device: torch.device | str, dtype: torch.dtype
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first halves of :meth:`get` (``[length, head_dim / 2]``, both halves of a row are
+        equal): what :func:`rotate_into` reads."""
+        _, _, cos, sin = self._table(start + length, device, dtype)
+        return cos[start:start + length], sin[start:start + length]
 
 
 def rotate_into(out: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """:func:`apply_rope` of ``keys`` (any strides) written into ``out`` without temporaries of the
-    rotated halves; ``cos`` / ``sin`` ``[T, head_dim]`` as from :func:`rope_cos_sin`."""
+    rotated halves; ``cos`` / ``sin`` are the half tables ``[T, head_dim / 2]`` of :meth:`RopeTable.halves`."""
     half = keys.shape[-1] // 2
     k1, k2 = keys[..., :half], keys[..., half:]
-    c, s = cos[:, :half], sin[:, :half]
     o1, o2 = out[..., :half], out[..., half:]
-    torch.mul(k1, c, out=o1)
-    o1.addcmul_(k2, s, value=-1.0)
-    torch.mul(k2, c, out=o2)
-    o2.addcmul_(k1, s)
+    torch.mul(k1, cos, out=o1)
+    o1.addcmul_(k2, sin, value=-1.0)
+    torch.mul(k2, cos, out=o2)
+    o2.addcmul_(k1, sin)
     return out
