@@ -87,6 +87,8 @@ class CalibrationConfig:
             raise ValueError(f"calibration splits must be non-empty and exclude eval, got {self.splits}")
         if self.allocation not in ALLOCATIONS:
             raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {self.allocation!r}")
+        if self.key_weight <= 0:
+            raise ValueError(f"key_weight must be positive, got {self.key_weight}")
         if self.greedy_weight < 0:
             raise ValueError(f"greedy_weight must be >= 0, got {self.greedy_weight}")
         if not 0 < self.shortest_prefix <= 1:

@@ -73,6 +73,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     from scd_store.adapters.transformers.calibrate_cli import calibrate
 
     base = CalibrationConfig(allocation=args.allocation, greedy_weight=args.greedy_weight)
+    if args.key_weight is not None:
+        base = replace(base, key_weight=args.key_weight)
     if args.shortest_prefix is not None:
         base = replace(base, shortest_prefix=args.shortest_prefix)
     if args.prefix_tokens:
@@ -242,6 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--allocation", choices=["variance", "fisher"], default="variance",
                      help="bit allocation weights: variance (keys weighted 4x) or fisher (measured effect on the "
                           "next-token distribution; experimental, see docs/scd.md)")
+    cal.add_argument("--key-weight", type=float, default=None,
+                     help="with --allocation variance: weight of key components against values (default 4)")
     cal.add_argument("--prefix-tokens", type=int, default=None,
                      help="prefix length of calibration windows (default 448; 32 continuation tokens follow)")
     cal.add_argument("--shortest-prefix", type=float, default=None,

@@ -11,6 +11,8 @@ def test_calibration_config_checks_its_knobs():
         CalibrationConfig(sensitivity_windows=0)
     with pytest.raises(ValueError, match="greedy_weight"):
         CalibrationConfig(greedy_weight=-1.0)
+    with pytest.raises(ValueError, match="key_weight"):
+        CalibrationConfig(key_weight=0.0)
     with pytest.raises(ValueError, match="eval"):
         CalibrationConfig(splits=("calib", "eval"))
     with pytest.raises(ValueError, match="shortest_prefix"):
