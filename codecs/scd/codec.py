@@ -12,7 +12,7 @@ from scd_store.codecs.scd.patch import aligned_kv
 from scd_store.codecs.scd.rope import RopeTable
 from scd_store.codecs.scd.space import CODEC_ID, CodeSpace
 
-# CPU decoding streams a few layers at a time so codes and features stay in cache
+# CPU decoding streams a few layers and at most _CPU_STEP_TOKENS tokens at a time so codes and features stay in cache
 _CPU_STEP_BYTES = 4 << 20
 _CPU_STEP_TOKENS = 512
 

@@ -74,7 +74,7 @@ class CodeSpace:
     producer_fingerprint: str = ""
     hidden: HiddenCode | None = None
     _fingerprint: str = field(default="", repr=False)
-    _plans: tuple[PackingPlan, PackingPlan | None] | None = field(default=None, repr=False)
+    _plans: tuple[PackingPlan, PackingPlan | None] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         g, c = self.layout.groups, self.layout.width
