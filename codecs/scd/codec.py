@@ -6,7 +6,6 @@ import torch
 
 from scd_store.codecs.base import Codec
 from scd_store.codecs.kv_state import KVState
-from scd_store.codecs.scd import native
 from scd_store.codecs.scd.decoder import PairDecoder
 from scd_store.codecs.scd.layout import write_token_major
 from scd_store.codecs.scd.patch import aligned_kv
@@ -23,9 +22,8 @@ class ScdCodec(Codec):
 
     Decoding is a batched matmul over layers and tensors (integer codes in, consumer features
     out, only the components that carry bits), then one pass that moves heads and rotates keys
-    straight into the output cache tensors (on a CPU the native kernel of
-    :mod:`~scd_store.codecs.scd.native`, which also adds the maps' offsets); on a CPU a few layers
-    at a time, so each step's codes and features stay in cache, on an accelerator all layers at once.
+    straight into the output cache tensors; on a CPU a few layers at a time, so each step's codes
+    and features stay in cache, on an accelerator all layers at once.
     """
 
     codec_id = CODEC_ID
@@ -104,7 +102,6 @@ class ScdCodec(Codec):
         gathered = torch.empty(2 * step * active * span, device=device, dtype=torch.uint8)
         as_float = torch.empty(2 * step * active * span, device=device, dtype=torch.float32)
         features = torch.empty(2 * step * span * layout.width, device=device, dtype=torch.float32)
-        fuse_offset = dtype == torch.float32 and torch.device(device).type == "cpu" and native.available()
         for first in range(0, layout.num_layers, step):
             last = min(layout.num_layers, first + step)
             n, groups = 2 * (last - first), slice(2 * first, 2 * last)
@@ -114,21 +111,13 @@ class ScdCodec(Codec):
                 hi = min(coded, lo + span)
                 t = hi - lo
                 size = n * active * t
-                q = as_float[:size].view(n, active, t)
-                if not native.gather_codes(codes.sorted_codes, index, lo, t, q.view(n * active, t)):
-                    step_codes = gathered[:size].view(n * active, t)
-                    torch.index_select(codes.sorted_codes[:, lo:hi], 0, index, out=step_codes)
-                    q.copy_(step_codes.view(n, active, t))
-                f = features[:n * t * layout.width].view(n, t, layout.width)
-                patched_here = patched.intersection(range(first, last))
-                fused = fuse_offset and not patched_here  # the native write adds the offset: one pass fewer
-                if fused:
-                    torch.bmm(q.transpose(1, 2), step_matrix, out=f)
-                else:
-                    torch.baddbmm(step_offset, q.transpose(1, 2), step_matrix, out=f)
-                for layer in patched_here:
+                q = torch.index_select(codes.sorted_codes[:, lo:hi], 0, index, out=gathered[:size].view(n * active, t))
+                q = as_float[:size].view(n, active, t).copy_(q.view(n, active, t))
+                f = torch.baddbmm(step_offset, q.transpose(1, 2), step_matrix,
+                                  out=features[:n * t * layout.width].view(n, t, layout.width))
+                for layer in patched.intersection(range(first, last)):
                     pair = 2 * (layer - first)
                     self._patched(layer, f[pair:pair + 2], None if hidden is None else hidden[lo:hi], device)
                 write_token_major(f, layout, codes.start + sinks + lo, self._rope, step_keys[:, :, lo:hi],
-                                  step_values[:, :, lo:hi], offset=step_offset if fused else None)
+                                  step_values[:, :, lo:hi])
         return KVState(keys, values, start=codes.start)

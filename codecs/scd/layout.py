@@ -12,7 +12,6 @@ from dataclasses import asdict, dataclass
 import torch
 
 from scd_store.codecs.kv_state import KVState
-from scd_store.codecs.scd import native
 from scd_store.codecs.scd.rope import RopeTable, apply_rope, invert_rope, rope_cos_sin, rotate_into
 
 
@@ -82,18 +81,12 @@ def from_features(features: torch.Tensor, layout: KVLayout, start: int) -> KVSta
 
 
 def write_token_major(features: torch.Tensor, layout: KVLayout, start: int, rope: RopeTable,
-                      keys_out: torch.Tensor, values_out: torch.Tensor, offset: torch.Tensor | None = None) -> None:
+                      keys_out: torch.Tensor, values_out: torch.Tensor) -> None:
     """The inference form of :func:`from_features`: write ``[2 * L', T, C]`` features of ``L'``
     consecutive layers (as a batched matmul produces them) into ``keys_out`` / ``values_out``
-    ``[L', H, T, D]`` (any strides), moving heads and rotating keys: one native pass on a CPU
-    (:mod:`~scd_store.codecs.scd.native`), else one PyTorch pass per tensor. ``offset``
-    ``[2 * L', 1, C]``, when given, is added to the features first (in place on the PyTorch path)."""
+    ``[L', H, T, D]`` (any strides), moving heads and rotating keys in one pass per tensor."""
     groups, t, _ = features.shape
-    cos, sin = rope.halves(start, t, features.device, features.dtype)
-    if native.write_kv(features, cos, sin, keys_out, values_out, offset):
-        return
-    if offset is not None:
-        features += offset
     f = features.view(groups // 2, 2, t, layout.kv_heads, layout.head_dim)
+    cos, sin = rope.halves(start, t, features.device, features.dtype)
     rotate_into(keys_out, f[:, 0].permute(0, 2, 1, 3), cos, sin)
     values_out.copy_(f[:, 1].permute(0, 2, 1, 3))
