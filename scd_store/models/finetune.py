@@ -32,6 +32,9 @@ class FinetuneRecipe:
     # modules trained at full rank instead of LoRA ("k_proj", "v_proj", ...; "norm" = every RMSNorm gain)
     full: tuple[str, ...] = ()
     full_lr: float = 3e-4
+    # > 0: full-rank targets only in the first full_layers decoder layers (moving early layers shifts the
+    # representation every later layer's KV is computed from; 0 = every layer)
+    full_layers: int = 0
     delta_format: str = "bf16"  # how full-rank deltas are stored: "bf16" or per-row "int8"
 
     def __post_init__(self) -> None:
@@ -41,6 +44,8 @@ class FinetuneRecipe:
             raise ValueError(f"invalid fine-tune recipe: {self}")
         if not 0 < self.lr < 1 or not 0 < self.full_lr < 1:
             raise ValueError(f"learning rate out of range: {self.lr}, {self.full_lr}")
+        if self.full_layers < 0 or (self.full_layers and not self.full):
+            raise ValueError(f"full_layers needs full-rank targets and must be >= 0: {self}")
         if self.delta_format not in lora.DELTA_FORMATS:
             raise ValueError(f"delta_format must be one of {lora.DELTA_FORMATS}, got {self.delta_format!r}")
         unknown = set(self.full) - set(lora.TARGETS) - {"norm"}
@@ -82,7 +87,7 @@ def train_adapter(model, tokenizer, recipe: FinetuneRecipe, out: Path, metadata:
     generator = torch.Generator().manual_seed(recipe.seed)
     wrapped = lora.attach(model, recipe.rank, recipe.alpha, recipe.seed, full=recipe.full)
     model.to(device)
-    full = lora.unfreeze_full(model, recipe.full)
+    full = lora.unfreeze_full(model, recipe.full, recipe.full_layers)
     low_rank = [p for layer in wrapped.values() for p in (layer.lora_a, layer.lora_b)]
     groups = [{"params": low_rank, "lr": recipe.lr}] if low_rank else []
     if full:

@@ -56,13 +56,27 @@ def attach(model: nn.Module, rank: int, alpha: float, seed: int, full: tuple[str
     return wrapped
 
 
-def unfreeze_full(model: nn.Module, full: tuple[str, ...]) -> dict[str, tuple[nn.Parameter, torch.Tensor]]:
+def _layer_index(parts: list[str]) -> int | None:
+    """The decoder layer a parameter belongs to (``model.layers.<i>.``), None outside the layers."""
+    if "layers" in parts:
+        position = parts.index("layers") + 1
+        if position < len(parts) and parts[position].isdigit():
+            return int(parts[position])
+    return None
+
+
+def unfreeze_full(model: nn.Module, full: tuple[str, ...], first_layers: int = 0
+                  ) -> dict[str, tuple[nn.Parameter, torch.Tensor]]:
     """Make parameters trainable at full rank: those of modules named in ``full`` (``"k_proj"``, or
-    ``"norm"`` for every RMSNorm gain). Returns ``{param name: (param, copy of its initial value)}``."""
+    ``"norm"`` for every RMSNorm gain), only in decoder layers ``0 .. first_layers - 1`` when
+    ``first_layers`` > 0. Returns ``{param name: (param, copy of its initial value)}``."""
     chosen: dict[str, tuple[nn.Parameter, torch.Tensor]] = {}
     for name, param in model.named_parameters():
         parts = name.split(".")
         module = parts[-2] if len(parts) > 1 else ""
+        layer = _layer_index(parts)
+        if first_layers > 0 and (layer is None or layer >= first_layers):
+            continue
         is_norm = "norm" in full and module.endswith("norm")
         if module in full or is_norm:
             param.requires_grad_(True)

@@ -1,4 +1,4 @@
-"""``scd-store models train``: re-create a consumer's committed LoRA adapter from its recipe."""
+"""``scd-store models train``: re-create a consumer's committed adapter from its recipe."""
 
 from __future__ import annotations
 

@@ -55,6 +55,29 @@ def test_full_rank_deltas_merge_with_the_low_rank_part(tmp_path):
         torch.testing.assert_close(merged(input_ids=ids).logits, adapted(input_ids=ids).logits, atol=2e-3, rtol=2e-3)
 
 
+def test_full_rank_targets_can_stop_at_the_first_layers():
+    model = tiny_llama(seed=0, layers=3)
+    lora.attach(model, rank=0, alpha=1.0, seed=0)
+    targets = (*lora.TARGETS, "norm")
+    full = lora.unfreeze_full(model, targets, first_layers=2)
+    layers = {int(name.split(".")[2]) for name in full}
+    assert layers == {0, 1}  # layer 2, the final norm and the embeddings stay frozen
+    assert len(full) == 2 * (len(lora.TARGETS) + 2)  # every linear and both norms of each layer
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == set(full)
+    assert len(lora.unfreeze_full(tiny_llama(seed=0, layers=3), targets)) == 3 * (len(lora.TARGETS) + 2) + 1
+
+
+def test_full_layers_needs_full_rank_targets():
+    import pytest
+
+    from scd_store.models.finetune import FinetuneRecipe
+
+    with pytest.raises(ValueError, match="full_layers"):
+        FinetuneRecipe(corpus="python", full_layers=6)
+    assert FinetuneRecipe(corpus="python", rank=0, full=("q_proj",), full_layers=6).full_layers == 6
+
+
 def test_unknown_full_rank_target_is_refused():
     import pytest
 
