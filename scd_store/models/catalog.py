@@ -36,7 +36,7 @@ CONSUMERS: dict[str, ConsumerSpec] = {
         # trained on CUDA (about 140 s on an H200; hours on 2 CPU cores) by benchmarks/train_consumers_cuda.py
         ConsumerSpec("smollm2-135m-shakespeare",
                      FinetuneRecipe(corpus="shakespeare", seed=1, lr=1e-3, batch_size=16, steps=600)),
-        # trained on 2 CPU cores (about 19 minutes) by `scd-store models train`: every weight of the first 6 of 30
+        # trained on 2 CPU cores (18 minutes) by `scd-store models train`: every weight of the first 6 of 30
         # layers at full rank (int8 deltas, ~21 MB), 512-token sequences so the fine-tune covers the positions a
         # 448 + 64 window reaches; moving early layers shifts what every later layer's KV is computed from, so
         # raw reuse drifts +5.6% where a LoRA on every layer drifted +4.3% (docs/models.md)
