@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One prepared device run (GPU machine): install the package without deps into /tmp/site, run the
-# device-parametrised unit tests on CUDA, then the decode-vs-prefill bench on CUDA (fp32 and bf16).
+# CUDA unit tests (device decodes, tensor payloads, CUDA-graph replay, GPU tier, the bench), then the
+# decode-vs-prefill bench on CUDA (fp32 and bf16; random-init SmolLM2-135M geometry: the model files
+# are too large to travel, and speed does not depend on the weights).
 # Usage there: bash benchmarks/device_check.sh   (writes logs and JSON under $OUT)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -13,9 +15,10 @@ export PYTHONPATH=/tmp/site
 rm -rf /tmp/tw && mkdir -p /tmp/tw && cp -r tests /tmp/tw/ && cd /tmp/tw
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
-timeout 240 python3 -m pytest -q -p no:cacheprovider tests/codecs tests/adapters tests/store/test_gpu_tier.py \
-  -k "cuda or gpu" 2>&1 | tee "$OUT/pytest.log" | tail -15
+timeout 180 python3 -m pytest -q -p no:cacheprovider tests/codecs tests/adapters/test_transformers_runner.py \
+  tests/store/test_gpu_tier.py tests/bench/test_decode_bench.py -k "cuda or gpu or graph or tensor_payload" 2>&1 \
+  | tee "$OUT/pytest.log" | tail -15
 for dtype in float32 bfloat16; do
-  timeout 120 python3 -m scd_store.cli.main bench decode --device cuda --dtype $dtype --prefix-tokens 448 2048 8192 \
-    --repeats 20 --json "$OUT/decode_cuda_$dtype.json" | tail -40
+  timeout 150 python3 -m scd_store.cli.main bench decode --device cuda --dtype $dtype --prefix-tokens 448 2048 8192 \
+    --repeats 20 --json "$OUT/decode_cuda_$dtype.json" 2>&1 | tail -25
 done

@@ -20,6 +20,7 @@ MAGIC = b"SCDP"
 VERSION = 1
 _PREFIX = struct.Struct("<4sHI")
 _ALIGN = 16
+_HEAD_PROBE = 4096  # bytes read first to find the header (one copy for a device payload)
 _DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -57,22 +58,40 @@ def pack(codec_id: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) 
     return head + b"\0" * _pad(len(head)) + b"".join(blobs)
 
 
-def unpack(payload: bytes | bytearray | memoryview, codec_id: str | None = None
+def _read_head(payload: bytes | bytearray | memoryview | torch.Tensor, size: int) -> memoryview:
+    """The first ``size`` bytes of ``payload`` on the host (one small device-to-host copy for a tensor)."""
+    if isinstance(payload, torch.Tensor):
+        return memoryview(payload[:size].cpu().numpy().tobytes())
+    return memoryview(payload)[:size]
+
+
+def _as_uint8(payload: torch.Tensor) -> torch.Tensor:
+    if payload.dtype != torch.uint8 or payload.dim() != 1 or not payload.is_contiguous():
+        raise PayloadError("a tensor payload must be a contiguous 1-D uint8 tensor")
+    return payload
+
+
+def unpack(payload: bytes | bytearray | memoryview | torch.Tensor, codec_id: str | None = None
            ) -> tuple[str, dict[str, Any], dict[str, torch.Tensor]]:
-    """Parse a payload; tensors are returned on CPU. Raises :class:`PayloadError` on any defect."""
-    view = memoryview(payload)
-    if len(view) < _PREFIX.size:
-        raise PayloadError(f"payload too short ({len(view)} bytes)")
-    magic, version, header_len = _PREFIX.unpack_from(view, 0)
+    """Parse a payload. Byte payloads give CPU tensors; a uint8 tensor payload (a GPU tier's blob,
+    say) gives views into it on its device, without a copy. Raises :class:`PayloadError` on any defect."""
+    is_tensor = isinstance(payload, torch.Tensor)
+    total = _as_uint8(payload).numel() if is_tensor else len(memoryview(payload))
+    if total < _PREFIX.size:
+        raise PayloadError(f"payload too short ({total} bytes)")
+    head = _read_head(payload, min(total, _HEAD_PROBE))
+    magic, version, header_len = _PREFIX.unpack_from(head, 0)
     if magic != MAGIC:
         raise PayloadError("bad magic: not a scd-store tensor pack")
     if version != VERSION:
         raise PayloadError(f"tensor pack version {version} not supported (expected {VERSION})")
     head_end = _PREFIX.size + header_len
-    if head_end > len(view):
+    if head_end > total:
         raise PayloadError("truncated header")
+    if head_end > len(head):
+        head = _read_head(payload, head_end)
     try:
-        header = json.loads(bytes(view[_PREFIX.size:head_end]))
+        header = json.loads(bytes(head[_PREFIX.size:head_end]))
         found_codec, meta, entries = header["codec"], header["meta"], header["tensors"]
     except (ValueError, KeyError, TypeError, RecursionError) as exc:
         raise PayloadError(f"malformed header: {exc}") from None
@@ -96,12 +115,18 @@ def unpack(payload: bytes | bytearray | memoryview, codec_id: str | None = None
         for s in shape:
             count *= s
         if min(shape, default=1) < 0 or nbytes < 0 or nbytes != count * dtype.itemsize or start < end \
-                or start + nbytes > len(view):
+                or start + nbytes > total:
             raise PayloadError(f"tensor {name!r}: size or bounds do not match its header")
-        raw = torch.frombuffer(bytearray(view[start:start + nbytes]), dtype=torch.uint8) if nbytes else \
-            torch.empty(0, dtype=torch.uint8)
+        if is_tensor:
+            raw = payload[start:start + nbytes]
+            if raw.storage_offset() % dtype.itemsize:
+                raw = raw.clone()
+        elif nbytes:
+            raw = torch.frombuffer(bytearray(memoryview(payload)[start:start + nbytes]), dtype=torch.uint8)
+        else:
+            raw = torch.empty(0, dtype=torch.uint8)
         tensors[name] = raw.view(dtype).reshape(shape)
         end = max(end, start + nbytes + _pad(nbytes))
-    if len(view) != end:
-        raise PayloadError(f"payload is {len(view)} bytes, its header describes {end}")
+    if total != end:
+        raise PayloadError(f"payload is {total} bytes, its header describes {end}")
     return found_codec, meta, tensors

@@ -7,10 +7,12 @@ import torch
 from scd_store.codecs.base import Codec
 from scd_store.codecs.kv_state import KVState
 from scd_store.codecs.scd.decoder import PairDecoder
+from scd_store.codecs.scd.graphs import DecodeGraphs
 from scd_store.codecs.scd.layout import write_token_major
 from scd_store.codecs.scd.patch import aligned_kv
 from scd_store.codecs.scd.rope import RopeTable
-from scd_store.codecs.scd.space import CODEC_ID, CodeSpace
+from scd_store.codecs.scd.space import CODEC_ID, CodeSpace, SpaceCodes
+from scd_store.codecs.tensor_pack import unpack
 
 # CPU decoding streams a few layers and at most _CPU_STEP_TOKENS tokens at a time so codes and features stay in cache
 _CPU_STEP_BYTES = 4 << 20
@@ -28,7 +30,7 @@ class ScdCodec(Codec):
 
     codec_id = CODEC_ID
 
-    def __init__(self, space: CodeSpace, decoder: PairDecoder | None = None):
+    def __init__(self, space: CodeSpace, decoder: PairDecoder | None = None, *, cuda_graphs: bool = True):
         if decoder is not None and decoder.space_fingerprint != space.fingerprint:
             raise ValueError(f"decoder of {decoder.consumer} belongs to another code space")
         if decoder is not None:
@@ -41,6 +43,9 @@ class ScdCodec(Codec):
         self._rope = RopeTable(space.layout.head_dim, space.layout.rope_theta)
         self._matrices: dict[tuple[str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         self._patches: dict[str, dict] = {}
+        # REUSE decodes on CUDA are launch-bound at serving lengths: replay them as CUDA graphs
+        reuse_only = decoder is not None and not decoder.patches and space.hidden is None
+        self.graphs = DecodeGraphs(self) if cuda_graphs and reuse_only and torch.cuda.is_available() else None
 
     def encode(self, state: KVState) -> bytes:
         return self.space.encode(state)
@@ -75,10 +80,27 @@ class ScdCodec(Codec):
         return max(1, min(layers, _CPU_STEP_BYTES // max(1, per_layer))), span
 
     @torch.no_grad()
-    def decode(self, payload: bytes, *, device="cpu", dtype=torch.float32) -> KVState:
+    def decode(self, payload: bytes | torch.Tensor, *, device="cpu", dtype=torch.float32) -> KVState:
+        """Rebuild the consumer's KV; ``payload`` is bytes or a uint8 tensor (a GPU tier's blob: no
+        host copy). On CUDA, REUSE decodes of up to ``graphs.max_tokens`` tokens replay a CUDA graph."""
         if self.decoder is None:
             raise ValueError("this SCD codec has no consumer decoder: it can encode only")
-        codes = self.space.unpack(payload, device=device)
+        if self.graphs is not None and torch.device(device).type == "cuda":
+            _, meta, tensors = unpack(payload, CODEC_ID)
+            state = self.graphs.decode(meta, tensors, torch.device(device), dtype)
+            if state is not None:
+                return state
+            return self.decode_codes(self.space.codes_from(meta, tensors, device), device, dtype)
+        return self.decode_codes(self.space.unpack(payload, device=device), device, dtype)
+
+    def angles(self, start: int, tokens: int, device, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE half tables for ``tokens`` coded tokens from absolute position ``start``."""
+        return self._rope.halves(start, tokens, device, dtype)
+
+    def decode_codes(self, codes: SpaceCodes, device, dtype: torch.dtype,
+                     angles: tuple[torch.Tensor, torch.Tensor] | None = None) -> KVState:
+        """Unpacked codes to KV. ``angles``: the coded tokens' RoPE half tables when the caller
+        supplies them (a CUDA graph's inputs), else read from the table at the codes' positions."""
         layout = self.space.layout
         sinks = codes.sinks.num_tokens if codes.sinks is not None else 0
         shape = (layout.num_layers, layout.kv_heads, codes.num_tokens, layout.head_dim)
@@ -98,6 +120,9 @@ class ScdCodec(Codec):
             hidden = self.space.hidden.reconstruct(codes.hidden_codes)  # [T, P, D]
         patched = {p.layer for p in self.decoder.patches}
         step, span = self._tile(coded, device)
+        if angles is None:
+            angles = self.angles(codes.start + sinks, coded, device)
+        cos, sin = angles
         # one step's gathered codes, their float copy and its features, reused by every step
         gathered = torch.empty(2 * step * active * span, device=device, dtype=torch.uint8)
         as_float = torch.empty(2 * step * active * span, device=device, dtype=torch.float32)
@@ -118,6 +143,5 @@ class ScdCodec(Codec):
                 for layer in patched.intersection(range(first, last)):
                     pair = 2 * (layer - first)
                     self._patched(layer, f[pair:pair + 2], None if hidden is None else hidden[lo:hi], device)
-                write_token_major(f, layout, codes.start + sinks + lo, self._rope, step_keys[:, :, lo:hi],
-                                  step_values[:, :, lo:hi])
+                write_token_major(f, layout, cos[lo:hi], sin[lo:hi], step_keys[:, :, lo:hi], step_values[:, :, lo:hi])
         return KVState(keys, values, start=codes.start)

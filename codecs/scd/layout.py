@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from scd_store.codecs.kv_state import KVState
-from scd_store.codecs.scd.rope import RopeTable, apply_rope, invert_rope, rope_cos_sin, rotate_into
+from scd_store.codecs.scd.rope import apply_rope, invert_rope, rope_cos_sin, rotate_into
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,13 +80,13 @@ def from_features(features: torch.Tensor, layout: KVLayout, start: int) -> KVSta
     return KVState(apply_rope(keys, cos, sin).contiguous(), values.contiguous(), start=start)
 
 
-def write_token_major(features: torch.Tensor, layout: KVLayout, start: int, rope: RopeTable,
+def write_token_major(features: torch.Tensor, layout: KVLayout, cos: torch.Tensor, sin: torch.Tensor,
                       keys_out: torch.Tensor, values_out: torch.Tensor) -> None:
     """The inference form of :func:`from_features`: write ``[2 * L', T, C]`` features of ``L'``
     consecutive layers (as a batched matmul produces them) into ``keys_out`` / ``values_out``
-    ``[L', H, T, D]`` (any strides), moving heads and rotating keys in one pass per tensor."""
+    ``[L', H, T, D]`` (any strides), moving heads and rotating keys in one pass per tensor.
+    ``cos`` / ``sin`` are the tokens' RoPE half tables (:meth:`RopeTable.halves`)."""
     groups, t, _ = features.shape
     f = features.view(groups // 2, 2, t, layout.kv_heads, layout.head_dim)
-    cos, sin = rope.halves(start, t, features.device, features.dtype)
     rotate_into(keys_out, f[:, 0].permute(0, 2, 1, 3), cos, sin)
     values_out.copy_(f[:, 1].permute(0, 2, 1, 3))

@@ -194,18 +194,34 @@ class CodeSpace:
                 "sinks": sinks}
         return pack(CODEC_ID, meta, tensors)
 
-    def unpack(self, payload: bytes, device: torch.device | str = "cpu") -> SpaceCodes:
-        """Parse a payload of this space; raises :class:`PayloadError` on any mismatch."""
+    def unpack(self, payload: bytes | torch.Tensor, device: torch.device | str = "cpu") -> SpaceCodes:
+        """Parse a payload of this space (bytes, or a uint8 tensor on any device); raises
+        :class:`PayloadError` on any mismatch."""
         _, meta, t = unpack(payload, CODEC_ID)
+        return self.codes_from(meta, t, device)
+
+    def counts(self, meta: dict) -> tuple[int, int, int]:
+        """``(start, tokens, sinks)`` of a payload's metadata, checked against this space."""
         try:
             if meta["space"] != self.fingerprint:
                 raise PayloadError(f"payload belongs to code space {meta['space']}, not {self.fingerprint}")
             if meta.get("packing") != PACKING:
                 raise PayloadError(f"payload codes are packed as {meta.get('packing')!r}; this build reads {PACKING!r}")
             start, tokens, sinks = int(meta["start"]), int(meta["tokens"]), int(meta["sinks"])
-            coded = tokens - sinks
-            if start < 0 or coded < 0 or sinks != max(0, min(self.sink_tokens - start, tokens)):
-                raise PayloadError("payload token counts are inconsistent")
+        except (KeyError, TypeError, ValueError) as exc:
+            if isinstance(exc, PayloadError):
+                raise
+            raise PayloadError(f"scd payload is inconsistent: {exc}") from None
+        if start < 0 or tokens < sinks or sinks != max(0, min(self.sink_tokens - start, tokens)):
+            raise PayloadError("payload token counts are inconsistent")
+        return start, tokens, sinks
+
+    def codes_from(self, meta: dict, t: dict[str, torch.Tensor], device: torch.device | str = "cpu") -> SpaceCodes:
+        """:meth:`unpack` after the container is parsed: check ``meta`` and unpack the sections on
+        ``device`` (no host round trip once the header is read, so a CUDA graph can capture it)."""
+        start, tokens, sinks = self.counts(meta)
+        coded = tokens - sinks
+        try:
             plan, hidden_plan = self._plans
             codes = _section(t, "codes", coded, plan, device)
             hidden_codes = None

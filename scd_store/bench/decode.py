@@ -8,6 +8,9 @@ processes only ever add time, and they add proportionally more to a 30 ms decode
 
 Runs on the real prepared pair and bundle when given, else on a random-init model of the
 producer's architecture with a code space fitted to its own KV (speed does not depend on weights).
+On CUDA the timed decode reads the payload from device memory (a GPU tier hit) and replays CUDA
+graphs; ``decode_from_host_best_ms`` (bytes in host memory) and ``decode_eager_best_ms`` (no
+graphs) are reported beside it.
 """
 
 from __future__ import annotations
@@ -96,6 +99,21 @@ def self_fitted_space(model: LlamaForCausalLM, ids: torch.Tensor, budget: float)
     return CodeSpace.from_statistics("bench", layout, mean, cov, budget)
 
 
+def _cuda_variants(codec: ScdCodec, payload: bytes, source: torch.Tensor, config: DecodeBenchConfig,
+                   dtype: torch.dtype) -> dict[str, float]:
+    """Best times (ms) of the decode from host bytes (the payload copied in first) and without CUDA graphs."""
+    eager = ScdCodec(codec.space, codec.decoder, cuda_graphs=False)
+    runs = config.repeats * config.decodes_per_round
+    variants = {"decode_from_host_best_ms": lambda: codec.decode(payload, device=config.device, dtype=dtype),
+                "decode_eager_best_ms": lambda: eager.decode(source, device=config.device, dtype=dtype)}
+    out = {}
+    for name, fn in variants.items():
+        fn(), fn()
+        out[name] = round(min(timed(fn, config.device) for _ in range(runs)) * 1e3, 3)
+    out["graph_replays"] = codec.graphs.replays if codec.graphs is not None else 0
+    return out
+
+
 @torch.no_grad()
 def run_decode_bench(config: DecodeBenchConfig, codec: ScdCodec | None = None,
                      consumer: torch.nn.Module | None = None) -> dict:
@@ -103,6 +121,7 @@ def run_decode_bench(config: DecodeBenchConfig, codec: ScdCodec | None = None,
     dtype = getattr(torch, config.dtype)
     model = consumer if consumer is not None else random_model(config.device, dtype)
     generator = torch.Generator().manual_seed(0)
+    on_cuda = torch.device(config.device).type == "cuda"
     results = []
     for length in config.prefix_tokens:
         ids = torch.randint(0, model.config.vocab_size, (length,), generator=generator).to(config.device)
@@ -115,11 +134,14 @@ def run_decode_bench(config: DecodeBenchConfig, codec: ScdCodec | None = None,
         state, _ = prefill_capture(model, ids, hidden_layers=bench_codec.space.patch_layers)
         payload = bench_codec.encode(state.to(dtype=torch.float32))
         # the consumer's own prefill as a server runs it: logits for the last token only
+        # on an accelerator the codes come from its GPU tier: a device tensor, no host copy
+        source = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(config.device) if on_cuda else payload
         times = side_by_side(lambda ids=ids: prefill_capture(model, ids, last_logits_only=True),
-                             lambda p=payload, c=bench_codec: c.decode(p, device=config.device, dtype=dtype),
+                             lambda p=source, c=bench_codec: c.decode(p, device=config.device, dtype=dtype),
                              config.repeats, config.decodes_per_round, config.device)
         prefill, decode = times["prefill"], times["decode"]
         encode_s = timed_median(lambda s=state, c=bench_codec: c.encode(s), config.repeats, config.device)
+        extra = _cuda_variants(bench_codec, payload, source, config, dtype) if on_cuda else {}
         results.append({
             "prefix_tokens": length,
             "payload_bytes": len(payload),
@@ -131,8 +153,10 @@ def run_decode_bench(config: DecodeBenchConfig, codec: ScdCodec | None = None,
             "encode_ms": round(encode_s * 1e3, 3),
             "decode_vs_prefill": round(min(decode) / min(prefill), 4),
             "decode_vs_prefill_median": round(statistics.median(decode) / statistics.median(prefill), 4),
+            **extra,
         })
     return {"device": config.device, "dtype": config.dtype, "budget": config.budget,
+            "payload_on": "device" if on_cuda else "host",
             "model": "real" if consumer is not None else "random-init SmolLM2-135M geometry",
             "threads": torch.get_num_threads(), "rounds": config.repeats, "decodes_per_round": config.decodes_per_round,
             "results": results}

@@ -1,3 +1,6 @@
+import pytest
+import torch
+
 from scd_store.bench.decode import DecodeBenchConfig, run_decode_bench
 from tests.conftest import tiny_llama
 
@@ -11,3 +14,12 @@ def test_decode_bench_reports_side_by_side_timings():
         assert abs(row["decode_vs_prefill"] - row["decode_best_ms"] / row["prefill_best_ms"]) < 1e-3
         assert abs(row["decode_vs_prefill_median"] - row["decode_ms"] / row["prefill_ms"]) < 1e-3
         assert 0 < row["payload_ratio"] < 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_bench_decodes_from_device_memory_with_graphs():
+    report = run_decode_bench(DecodeBenchConfig(prefix_tokens=(24,), repeats=2, device="cuda"),
+                              consumer=tiny_llama().to("cuda"))
+    row = report["results"][0]
+    assert report["payload_on"] == "device" and row["graph_replays"] > 0
+    assert row["decode_from_host_best_ms"] > 0 and row["decode_eager_best_ms"] > 0

@@ -26,8 +26,8 @@ def test_token_major_writer_matches_from_features(device):
     expected = from_features(features, layout, start=1030)  # beyond the table's first size: it grows
     keys = torch.full((3, 2, 7, 8), float("nan"), device=device)
     values = torch.full_like(keys, float("nan"))
-    write_token_major(features.transpose(0, 1).contiguous(), layout, 1030, RopeTable(8, 1e4), keys[:, :, 2:],
-                      values[:, :, 2:])
+    cos, sin = RopeTable(8, 1e4).halves(1030, 5, device, torch.float32)
+    write_token_major(features.transpose(0, 1).contiguous(), layout, cos, sin, keys[:, :, 2:], values[:, :, 2:])
     torch.testing.assert_close(keys[:, :, 2:], expected.keys, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(values[:, :, 2:], expected.values)
     assert torch.isnan(keys[:, :, :2]).all()  # nothing written outside the slice
