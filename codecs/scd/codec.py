@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from scd_store.codecs.base import Codec
 from scd_store.codecs.kv_state import KVState
+from scd_store.codecs.scd import fused
 from scd_store.codecs.scd.decoder import PairDecoder
 from scd_store.codecs.scd.graphs import DecodeGraphs
 from scd_store.codecs.scd.layout import write_token_major
@@ -13,6 +16,8 @@ from scd_store.codecs.scd.patch import aligned_kv
 from scd_store.codecs.scd.rope import RopeTable
 from scd_store.codecs.scd.space import CODEC_ID, CodeSpace, SpaceCodes
 from scd_store.codecs.tensor_pack import unpack
+
+log = logging.getLogger(__name__)
 
 # CPU decoding streams a few layers and at most _CPU_STEP_TOKENS tokens at a time so codes and features stay in cache
 _CPU_STEP_BYTES = 4 << 20
@@ -30,7 +35,8 @@ class ScdCodec(Codec):
 
     codec_id = CODEC_ID
 
-    def __init__(self, space: CodeSpace, decoder: PairDecoder | None = None, *, cuda_graphs: bool = True):
+    def __init__(self, space: CodeSpace, decoder: PairDecoder | None = None, *, cuda_graphs: bool = True,
+                 fused_kernel: bool = False):
         if decoder is not None and decoder.space_fingerprint != space.fingerprint:
             raise ValueError(f"decoder of {decoder.consumer} belongs to another code space")
         if decoder is not None:
@@ -45,6 +51,8 @@ class ScdCodec(Codec):
         self._patches: dict[str, dict] = {}
         # REUSE decodes on CUDA are launch-bound at serving lengths: replay them as CUDA graphs
         reuse_only = decoder is not None and not decoder.patches and space.hidden is None
+        # opt-in until measured on a GPU: checked against the PyTorch path under Triton's interpreter only
+        self.fused_kernel = fused_kernel and reuse_only
         self.graphs = DecodeGraphs(self) if cuda_graphs and reuse_only and torch.cuda.is_available() else None
 
     def encode(self, state: KVState) -> bytes:
@@ -115,14 +123,23 @@ class ScdCodec(Codec):
         matrix, offset = self._folded(device, torch.float32)
         active = matrix.shape[1]
         rows = codes.sorted_row.view(layout.groups, layout.width)[:, :active]  # 0-bit components: the zero row
+        if angles is None:
+            angles = self.angles(codes.start + sinks, coded, device)
+        cos, sin = angles
+        if self.fused_kernel and fused.available(device, layout.head_dim):
+            folded = matrix if dtype == torch.float32 else self._folded(device, fused.matrix_dtype(dtype))[0]
+            try:
+                fused.fused_decode(codes.sorted_codes, rows, folded, offset.view(layout.groups, layout.width), cos,
+                                   sin, keys[:, :, sinks:], values[:, :, sinks:])
+                return KVState(keys, values, start=codes.start)
+            except Exception as exc:  # noqa: BLE001 - a kernel that does not build costs speed, not the decode
+                log.warning("fused SCD decode kernel unavailable (%s); using the PyTorch path", exc)
+                self.fused_kernel = False
         hidden = None
         if self.space.hidden is not None:
             hidden = self.space.hidden.reconstruct(codes.hidden_codes)  # [T, P, D]
         patched = {p.layer for p in self.decoder.patches}
         step, span = self._tile(coded, device)
-        if angles is None:
-            angles = self.angles(codes.start + sinks, coded, device)
-        cos, sin = angles
         # one step's gathered codes, their float copy and its features, reused by every step
         gathered = torch.empty(2 * step * active * span, device=device, dtype=torch.uint8)
         as_float = torch.empty(2 * step * active * span, device=device, dtype=torch.float32)

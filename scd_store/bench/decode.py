@@ -9,8 +9,8 @@ processes only ever add time, and they add proportionally more to a 30 ms decode
 Runs on the real prepared pair and bundle when given, else on a random-init model of the
 producer's architecture with a code space fitted to its own KV (speed does not depend on weights).
 On CUDA the timed decode reads the payload from device memory (a GPU tier hit) and replays CUDA
-graphs; ``decode_from_host_best_ms`` (bytes in host memory) and ``decode_eager_best_ms`` (no
-graphs) are reported beside it.
+graphs; ``decode_from_host_best_ms`` (bytes in host memory), ``decode_eager_best_ms`` (no
+graphs) and ``decode_fused_best_ms`` (the opt-in fused Triton kernel) are reported beside it.
 """
 
 from __future__ import annotations
@@ -101,11 +101,14 @@ def self_fitted_space(model: LlamaForCausalLM, ids: torch.Tensor, budget: float)
 
 def _cuda_variants(codec: ScdCodec, payload: bytes, source: torch.Tensor, config: DecodeBenchConfig,
                    dtype: torch.dtype) -> dict[str, float]:
-    """Best times (ms) of the decode from host bytes (the payload copied in first) and without CUDA graphs."""
+    """Best times (ms) of the decode from host bytes (the payload copied in first), without CUDA
+    graphs, and with the opt-in fused Triton kernel (graphs on)."""
     eager = ScdCodec(codec.space, codec.decoder, cuda_graphs=False)
+    fused = ScdCodec(codec.space, codec.decoder, fused_kernel=True)
     runs = config.repeats * config.decodes_per_round
     variants = {"decode_from_host_best_ms": lambda: codec.decode(payload, device=config.device, dtype=dtype),
-                "decode_eager_best_ms": lambda: eager.decode(source, device=config.device, dtype=dtype)}
+                "decode_eager_best_ms": lambda: eager.decode(source, device=config.device, dtype=dtype),
+                "decode_fused_best_ms": lambda: fused.decode(source, device=config.device, dtype=dtype)}
     out = {}
     for name, fn in variants.items():
         fn(), fn()

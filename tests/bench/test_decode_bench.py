@@ -22,4 +22,4 @@ def test_cuda_bench_decodes_from_device_memory_with_graphs():
                               consumer=tiny_llama().to("cuda"))
     row = report["results"][0]
     assert report["payload_on"] == "device" and row["graph_replays"] > 0
-    assert row["decode_from_host_best_ms"] > 0 and row["decode_eager_best_ms"] > 0
+    assert min(row["decode_from_host_best_ms"], row["decode_eager_best_ms"], row["decode_fused_best_ms"]) > 0
