@@ -71,6 +71,9 @@ def unfreeze_full(model: nn.Module, full: tuple[str, ...], first_layers: int = 0
     ``"norm"`` for every RMSNorm gain), only in decoder layers ``0 .. first_layers - 1`` when
     ``first_layers`` > 0. Returns ``{param name: (param, copy of its initial value)}``."""
     chosen: dict[str, tuple[nn.Parameter, torch.Tensor]] = {}
+    layers = {_layer_index(name.split(".")) for name, _ in model.named_parameters()} - {None}
+    if first_layers > len(layers):
+        raise ValueError(f"full_layers={first_layers} but the model has {len(layers)} decoder layers")
     for name, param in model.named_parameters():
         parts = name.split(".")
         module = parts[-2] if len(parts) > 1 else ""

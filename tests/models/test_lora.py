@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from scd_store.models import lora
@@ -66,11 +67,11 @@ def test_full_rank_targets_can_stop_at_the_first_layers():
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable == set(full)
     assert len(lora.unfreeze_full(tiny_llama(seed=0, layers=3), targets)) == 3 * (len(lora.TARGETS) + 2) + 1
+    with pytest.raises(ValueError, match="3 decoder layers"):
+        lora.unfreeze_full(tiny_llama(seed=0, layers=3), targets, first_layers=4)
 
 
 def test_full_layers_needs_full_rank_targets():
-    import pytest
-
     from scd_store.models.finetune import FinetuneRecipe
 
     with pytest.raises(ValueError, match="full_layers"):
