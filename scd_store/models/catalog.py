@@ -33,13 +33,14 @@ class ConsumerSpec:
 CONSUMERS: dict[str, ConsumerSpec] = {
     spec.name: spec
     for spec in (
-        # trained on CUDA (about 140 s on an H200; hours on 2 CPU cores) by benchmarks/train_consumers_cuda.py
-        ConsumerSpec("smollm2-135m-shakespeare",
-                     FinetuneRecipe(corpus="shakespeare", seed=1, lr=1e-3, batch_size=16, steps=600)),
-        # trained on 2 CPU cores (18 minutes) by `scd-store models train`: every weight of the first 6 of 30
-        # layers at full rank (int8 deltas, ~21 MB), 512-token sequences so the fine-tune covers the positions a
-        # 448 + 64 window reaches; moving early layers shifts what every later layer's KV is computed from, so
-        # raw reuse drifts +5.6% where a LoRA on every layer drifted +4.3% (docs/models.md)
+        # both trained on 2 CPU cores (about 18 minutes each) by `scd-store models train`: every weight of the
+        # first 6 of 30 layers at full rank (int8 deltas, ~21 MB), 512-token sequences so the fine-tune covers the
+        # positions a 448 + 64 window reaches; moving early layers shifts what every later layer's KV is computed
+        # from, so raw reuse drifts more than under a LoRA on every layer (docs/models.md)
+        ConsumerSpec("smollm2-135m-shakespeare", FinetuneRecipe(corpus="shakespeare", seed=1, rank=0,
+                                                                full=(*TARGETS, "norm"), full_lr=5e-4,
+                                                                full_layers=6, seq_len=512, batch_size=2,
+                                                                steps=120, warmup_steps=10, delta_format="int8")),
         ConsumerSpec("smollm2-135m-python", FinetuneRecipe(corpus="python", seed=2, rank=0, full=(*TARGETS, "norm"),
                                                            full_lr=5e-4, full_layers=6, seq_len=512, batch_size=2,
                                                            steps=120, warmup_steps=10, delta_format="int8")),
