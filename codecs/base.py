@@ -23,9 +23,10 @@ class Codec(ABC):
         """Serialise ``state`` into a payload."""
 
     @abstractmethod
-    def decode(self, payload: bytes, *, device: torch.device | str = "cpu",
+    def decode(self, payload: bytes | torch.Tensor, *, device: torch.device | str = "cpu",
                dtype: torch.dtype = torch.float32) -> KVState:
-        """Rebuild KV from ``payload``; raises :class:`PayloadError` on a payload it cannot trust."""
+        """Rebuild KV from ``payload`` (bytes, or a 1-D uint8 tensor on any device); raises
+        :class:`PayloadError` on a payload it cannot trust."""
 
     def encode_batch(self, states: list[KVState]) -> list[bytes]:
         return [self.encode(s) for s in states]

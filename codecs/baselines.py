@@ -26,7 +26,7 @@ class RawCodec(Codec):
     def encode(self, state: KVState) -> bytes:
         return pack(self.codec_id, {}, {"keys": state.keys.to(self.dtype), "values": state.values.to(self.dtype)})
 
-    def decode(self, payload: bytes, *, device="cpu", dtype=torch.float32) -> KVState:
+    def decode(self, payload: bytes | torch.Tensor, *, device="cpu", dtype=torch.float32) -> KVState:
         _, _, tensors = unpack(payload, self.codec_id)
         try:
             keys, values = tensors["keys"], tensors["values"]
@@ -57,7 +57,7 @@ class KiviCodec(Codec):
             "v_codes": v.codes, "v_scale": v.scale, "v_offset": v.offset,
         })
 
-    def decode(self, payload: bytes, *, device="cpu", dtype=torch.float32) -> KVState:
+    def decode(self, payload: bytes | torch.Tensor, *, device="cpu", dtype=torch.float32) -> KVState:
         _, meta, t = unpack(payload, self.codec_id)
         try:
             shape = [int(s) for s in meta["shape"]]

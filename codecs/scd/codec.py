@@ -105,6 +105,7 @@ class ScdCodec(Codec):
         """RoPE half tables for ``tokens`` coded tokens from absolute position ``start``."""
         return self._rope.halves(start, tokens, device, dtype)
 
+    @torch.no_grad()
     def decode_codes(self, codes: SpaceCodes, device, dtype: torch.dtype,
                      angles: tuple[torch.Tensor, torch.Tensor] | None = None) -> KVState:
         """Unpacked codes to KV. ``angles``: the coded tokens' RoPE half tables when the caller

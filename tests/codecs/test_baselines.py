@@ -18,6 +18,14 @@ def test_round_trip_error_is_bounded(kv_state, name, max_err, device):
     assert rel_err(out.values, kv_state.values) < max_err
 
 
+@pytest.mark.parametrize("name", ["raw", "int8", "int4"])
+def test_tensor_payload_decodes_like_bytes(kv_state, name, device):
+    codec = make_codec(name)
+    payload = codec.encode(kv_state)
+    from_tensor = codec.decode(torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device), device=device)
+    torch.testing.assert_close(from_tensor.keys, codec.decode(payload, device=device).keys)
+
+
 def test_payload_sizes_follow_bit_width(kv_state):
     sizes = {name: len(make_codec(name).encode(kv_state)) for name in CODEC_NAMES}
     assert sizes["int4"] < sizes["int8"] < sizes["raw"]
