@@ -57,3 +57,19 @@ def test_trailing_or_missing_padding_is_rejected():
         unpack(payload + b"\0")
     with pytest.raises(PayloadError):
         unpack(payload[:-1])
+
+
+@pytest.mark.parametrize("meta", [{"a": 1}, {"long": "x" * 6000}])  # headers within and beyond the first read
+def test_tensor_payload_gives_views_equal_to_the_bytes_path(meta):
+    tensors = {"f32": torch.randn(3, 5), "f16": torch.randn(7).half(), "u8": torch.arange(9, dtype=torch.uint8)}
+    payload = pack("demo", meta, tensors)
+    buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    codec, got_meta, out = unpack(buffer, "demo")
+    assert codec == "demo" and got_meta == meta
+    for name, tensor in tensors.items():
+        assert torch.equal(out[name], tensor)
+        assert out[name].untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()  # a view, no copy
+    with pytest.raises(PayloadError):
+        unpack(buffer[:-8], "demo")
+    with pytest.raises(PayloadError):
+        unpack(buffer.view(2, -1), "demo")
