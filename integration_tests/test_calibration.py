@@ -99,6 +99,20 @@ def test_calibrate_sweep_writes_one_bundle_per_combination(producer, shakespeare
     assert load_space(tmp_path / "b0.25-k0").fingerprint == before
 
 
+def test_patch_layers_can_be_named_instead_of_measured(producer, shakespeare, tmp_path):
+    from scd_store.adapters.transformers.calibrate_cli import calibrate
+
+    small = CalibrationConfig(basis_windows=2, prefix_tokens=64, continuation_tokens=8, distill_windows=2,
+                              distill_steps=1)
+    with pytest.raises(ValueError, match="not both"):
+        calibrate("smollm2-135m-instruct", ["smollm2-135m-shakespeare"], tmp_path, patch_layers=2, patch_at=(0,))
+    with pytest.raises(ValueError, match="outside"):
+        calibrate("smollm2-135m-instruct", ["smollm2-135m-shakespeare"], tmp_path, patch_at=(0, 30), base_config=small)
+    report = calibrate("smollm2-135m-instruct", ["smollm2-135m-shakespeare"], tmp_path, patch_at=(1, 0),
+                       base_config=small)
+    assert "patch_ranking" not in report and load_space(tmp_path).patch_layers == (0, 1)
+
+
 def test_teacher_logits_cover_every_cut_and_match_the_consumer_on_a_cut_prefix(producer, shakespeare):
     """Distillation cuts prefixes at random lengths: the teacher rows it slices from the one causal
     prefill must be what the consumer predicts after that shorter prefix."""

@@ -46,14 +46,19 @@ def bundle_dir(out: Path, budget: float, k: int, source: str, sweep: bool) -> Pa
 def calibrate(producer_name: str, consumers: list[str], out: Path, budget: float | list[float] = DEFAULT_BUDGET,
               steps: int | None = None, windows: int | None = None, reuse_space: bool = False,
               patch_layers: int | list[int] = 0, patch_source: str = "hidden",
-              base_config: CalibrationConfig | None = None) -> dict:
+              base_config: CalibrationConfig | None = None, patch_at: tuple[int, ...] = ()) -> dict:
     """Fit (or reuse) the space of ``producer_name`` over the consumers' corpora and distil each decoder.
 
     With ``patch_layers`` = k > 0, the k layers where the consumers' exact KV helps most (measured on
     calibration text) are patched: H_in is coded there (``patch_source="hidden"``) or aligners
-    correct the REUSE output there (``"kv"``, no extra payload). Lists of budgets or k sweep."""
+    correct the REUSE output there (``"kv"``, no extra payload). Lists of budgets or k sweep.
+    ``patch_at`` names the patch layers instead of measuring them (k = their count)."""
     budgets = budget if isinstance(budget, list) else [budget]
     ks = patch_layers if isinstance(patch_layers, list) else [patch_layers]
+    if patch_at:
+        if max(ks) > 0 or len(set(patch_at)) != len(patch_at):
+            raise ValueError("give either patch_layers (k, measured) or patch_at (distinct layers), not both")
+        ks = [len(patch_at)]
     combos = [(b, k) for b in budgets for k in ks]
     if reuse_space and len(combos) != 1:
         raise ValueError("--reuse-space adds decoders to one existing bundle: give one budget and one k")
@@ -69,7 +74,11 @@ def calibrate(producer_name: str, consumers: list[str], out: Path, budget: float
     loaded = [load_model(spec.name) for spec in specs]
     report: dict = {"out": str(out), "bundles": {}}
     ranking: tuple[int, ...] = ()
-    if max(ks) > 0:
+    if patch_at:
+        if max(patch_at) >= producer.model.config.num_hidden_layers or min(patch_at) < 0:
+            raise ValueError(f"patch layers {list(patch_at)} outside the model's layers")
+        ranking = tuple(patch_at)
+    elif max(ks) > 0:
         ranking, gains = layer_ranking(producer, loaded, config, max(ks))
         report["patch_ranking"] = {"layers": list(ranking), "gains": [[round(x, 5) for x in g] for g in gains]}
     hidden_layers = tuple(sorted(ranking)) if patch_source == "hidden" else ()

@@ -84,7 +84,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     print(json.dumps(calibrate(args.producer, args.consumer, args.out, budget=args.budget or [base.budget],
                                steps=args.steps, windows=args.windows, reuse_space=args.reuse_space,
                                patch_layers=args.patch_layers or [0], patch_source=args.patch_source,
-                               base_config=base), indent=2))
+                               base_config=base, patch_at=tuple(args.patch_at)), indent=2))
     return 0
 
 
@@ -257,6 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--patch-layers", type=int, action="append",
                      help="k: layers the consumers regenerate (PATCH), chosen on calibration text (default 0); "
                           "repeat for a sweep (bundles OUT/b<budget>-k<k>)")
+    cal.add_argument("--patch-at", type=lambda text: [int(x) for x in text.split(",")], default=[],
+                     help="comma-separated layers to patch, instead of measuring which (--patch-layers)")
     cal.add_argument("--patch-source", choices=["hidden", "kv"], default="hidden",
                      help="hidden: code H_in at patch layers; kv: aligners on the REUSE output (no extra payload)")
     cal.add_argument("--reuse-space", action="store_true",
