@@ -30,20 +30,20 @@ class ConsumerSpec:
         return self.recipe.corpus
 
 
+def early_layers_recipe(corpus: str, seed: int) -> FinetuneRecipe:
+    """Every weight of the first 6 of 30 layers at full rank (int8 deltas, ~21 MB), 512-token sequences
+    so the fine-tune covers the positions a 448 + 64 window reaches. Moving early layers shifts what
+    every later layer's KV is computed from, so raw reuse drifts more than under a LoRA on every
+    layer (docs/models.md). About 18-21 minutes on 2 CPU cores with `scd-store models train`."""
+    return FinetuneRecipe(corpus=corpus, seed=seed, rank=0, full=(*TARGETS, "norm"), full_lr=5e-4, full_layers=6,
+                          seq_len=512, batch_size=2, steps=120, warmup_steps=10, delta_format="int8")
+
+
 CONSUMERS: dict[str, ConsumerSpec] = {
     spec.name: spec
     for spec in (
-        # both trained on 2 CPU cores (about 18 minutes each) by `scd-store models train`: every weight of the
-        # first 6 of 30 layers at full rank (int8 deltas, ~21 MB), 512-token sequences so the fine-tune covers the
-        # positions a 448 + 64 window reaches; moving early layers shifts what every later layer's KV is computed
-        # from, so raw reuse drifts more than under a LoRA on every layer (docs/models.md)
-        ConsumerSpec("smollm2-135m-shakespeare", FinetuneRecipe(corpus="shakespeare", seed=1, rank=0,
-                                                                full=(*TARGETS, "norm"), full_lr=5e-4,
-                                                                full_layers=6, seq_len=512, batch_size=2,
-                                                                steps=120, warmup_steps=10, delta_format="int8")),
-        ConsumerSpec("smollm2-135m-python", FinetuneRecipe(corpus="python", seed=2, rank=0, full=(*TARGETS, "norm"),
-                                                           full_lr=5e-4, full_layers=6, seq_len=512, batch_size=2,
-                                                           steps=120, warmup_steps=10, delta_format="int8")),
+        ConsumerSpec("smollm2-135m-shakespeare", early_layers_recipe("shakespeare", seed=1)),
+        ConsumerSpec("smollm2-135m-python", early_layers_recipe("python", seed=2)),
     )
 }
 
