@@ -12,6 +12,7 @@ IEEE fp32 for fp32 outputs. Set ``TRITON_INTERPRET=1`` before import to run it o
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -69,16 +70,19 @@ def _kernel():  # noqa: ANN202 - a triton.JITFunction
     return decode_kernel
 
 
-def available(device: torch.device | str, head_dim: int) -> bool:
-    """Whether the fused kernel runs for ``device`` (CUDA with Triton installed, or Triton's
-    interpreter) and heads of ``head_dim`` (a power of two from 32: the products' tile sizes)."""
-    import os
-
-    if head_dim < 32 or head_dim & (head_dim - 1):
-        return False
+@functools.cache
+def _triton_installed() -> bool:
     try:
         import triton  # noqa: F401
     except ImportError:
+        return False
+    return True
+
+
+def available(device: torch.device | str, head_dim: int) -> bool:
+    """Whether the fused kernel runs for ``device`` (CUDA with Triton installed, or Triton's
+    interpreter) and heads of ``head_dim`` (a power of two from 32: the products' tile sizes)."""
+    if head_dim < 32 or head_dim & (head_dim - 1) or not _triton_installed():
         return False
     return torch.device(device).type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
