@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
 from scd_store.codecs.base import Codec
 from scd_store.codecs.kv_state import KVState
 from scd_store.codecs.scd import fused
-from scd_store.codecs.scd.decoder import PairDecoder
+from scd_store.codecs.scd.decoder import PairDecoder, centred_codes, code_centres
 from scd_store.codecs.scd.graphs import DecodeGraphs
 from scd_store.codecs.scd.layout import write_token_major
 from scd_store.codecs.scd.patch import aligned_kv
@@ -22,6 +23,22 @@ log = logging.getLogger(__name__)
 # CPU decoding streams a few layers and at most _CPU_STEP_TOKENS tokens at a time so codes and features stay in cache
 _CPU_STEP_BYTES = 4 << 20
 _CPU_STEP_TOKENS = 512
+MATMULS = ("auto", "float32", "bfloat16")
+
+
+def matmul_dtype(matmul: str, device) -> torch.dtype:
+    """The dtype of the decode's products: ``"auto"`` is bf16 on a CPU with AMX tiles (oneDNN runs bf16
+    products there ~6x faster than fp32, and bf16 holds the centred codes exactly), fp32 elsewhere;
+    ``SCD_STORE_DECODE_MATMUL=float32|bfloat16`` overrides ``"auto"``."""
+    if matmul == "auto":
+        forced = os.environ.get("SCD_STORE_DECODE_MATMUL", "")
+        if forced:
+            if forced not in MATMULS[1:]:
+                raise ValueError(f"SCD_STORE_DECODE_MATMUL must be one of {MATMULS[1:]}, got {forced!r}")
+            return getattr(torch, forced)
+        amx = torch.device(device).type == "cpu" and torch.cpu._is_amx_tile_supported()
+        return torch.bfloat16 if amx else torch.float32
+    return getattr(torch, matmul)
 
 
 class ScdCodec(Codec):
@@ -36,7 +53,9 @@ class ScdCodec(Codec):
     codec_id = CODEC_ID
 
     def __init__(self, space: CodeSpace, decoder: PairDecoder | None = None, *, cuda_graphs: bool = True,
-                 fused_kernel: bool = False):
+                 fused_kernel: bool = False, matmul: str = "auto"):
+        if matmul not in MATMULS:
+            raise ValueError(f"matmul must be one of {MATMULS}, got {matmul!r}")
         if decoder is not None and decoder.space_fingerprint != space.fingerprint:
             raise ValueError(f"decoder of {decoder.consumer} belongs to another code space")
         if decoder is not None:
@@ -46,6 +65,7 @@ class ScdCodec(Codec):
                                  f"codes H_in at {sorted(space.patch_layers)}")
         self.space = space
         self.decoder = decoder
+        self.matmul = matmul
         self._rope = RopeTable(space.layout.head_dim, space.layout.rope_theta)
         self._matrices: dict[tuple[str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         self._patches: dict[str, dict] = {}
@@ -67,6 +87,17 @@ class ScdCodec(Codec):
             self._matrices[key] = (matrix[:, :active].contiguous(), offset.unsqueeze(1).contiguous())
         return self._matrices[key]
 
+    def _centred(self, device, dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`_folded` for centred codes (``decoder.folded(centred=True)``) in a low-precision
+        ``dtype``, with each active component's ``2^(b - 1)`` as uint8 ``[G * active, 1]``."""
+        key = (str(device), dtype, "centred")
+        if key not in self._matrices:
+            matrix, offset = self.decoder.folded(self.space, device, dtype, centred=True)
+            active = self.space.active_components
+            centres = code_centres(self.space)[:, :active].reshape(-1, 1).to(device=device, dtype=torch.uint8)
+            self._matrices[key] = (matrix[:, :active].contiguous(), offset.unsqueeze(1).contiguous(), centres)
+        return self._matrices[key]
+
     def _patched(self, layer: int, features: torch.Tensor, hidden: torch.Tensor | None, device) -> None:
         """Overwrite layer ``layer``'s K / V features ``[2, T, C]`` with its aligner's output."""
         key = str(device)
@@ -75,7 +106,7 @@ class ScdCodec(Codec):
         k, v = aligned_kv(self._patches[key][layer], features[0], features[1], hidden, self.space.patch_layers)
         features[0], features[1] = k, v
 
-    def _tile(self, tokens: int, device) -> tuple[int, int]:
+    def _tile(self, tokens: int, device, element_size: int = 4) -> tuple[int, int]:
         """``(layers, tokens)`` decoded per batched matmul: everything at once on an accelerator; on a
         CPU at most ``_CPU_STEP_TOKENS`` tokens and as many layers as keep one step's codes and
         features within a few MiB of cache (long prefixes go in token chunks, so a 2,048-token
@@ -84,22 +115,48 @@ class ScdCodec(Codec):
         if torch.device(device).type != "cpu":
             return layers, tokens
         span = min(tokens, _CPU_STEP_TOKENS)
-        per_layer = 2 * span * self.space.layout.width * 4 * 2
+        per_layer = 2 * span * self.space.layout.width * element_size * 2
         return max(1, min(layers, _CPU_STEP_BYTES // max(1, per_layer))), span
 
     @torch.no_grad()
-    def decode(self, payload: bytes | torch.Tensor, *, device="cpu", dtype=torch.float32) -> KVState:
+    def decode(self, payload: bytes | torch.Tensor, *, device="cpu", dtype=torch.float32,
+               out: KVState | None = None) -> KVState:
         """Rebuild the consumer's KV; ``payload`` is bytes or a uint8 tensor (a GPU tier's blob: no
-        host copy). On CUDA, REUSE decodes of up to ``graphs.max_tokens`` tokens replay a CUDA graph."""
+        host copy). On CUDA, REUSE decodes of up to ``graphs.max_tokens`` tokens replay a CUDA graph.
+        ``out``: KV tensors of the payload's shape on ``device`` in ``dtype`` (an engine's buffers) to
+        write into instead of fresh ones (a long prefix's fresh output pages cost more than its maths)."""
         if self.decoder is None:
             raise ValueError("this SCD codec has no consumer decoder: it can encode only")
-        if self.graphs is not None and torch.device(device).type == "cuda":
+        if self.graphs is not None and torch.device(device).type == "cuda" and out is None:
             _, meta, tensors = unpack(payload, CODEC_ID)
             state = self.graphs.decode(meta, tensors, torch.device(device), dtype)
             if state is not None:
                 return state
             return self.decode_codes(self.space.codes_from(meta, tensors, device), device, dtype)
-        return self.decode_codes(self.space.unpack(payload, device=device), device, dtype)
+        return self.decode_codes(self.space.unpack(payload, device=device), device, dtype, out=out)
+
+    def _outputs(self, codes: SpaceCodes, device, dtype: torch.dtype, out: KVState | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        layout = self.space.layout
+        shape = (layout.num_layers, layout.kv_heads, codes.num_tokens, layout.head_dim)
+        if out is None:
+            return torch.empty(shape, device=device, dtype=dtype), torch.empty(shape, device=device, dtype=dtype)
+        want = torch.device(device)
+        for name, t in (("keys", out.keys), ("values", out.values)):
+            elsewhere = t.device.type != want.type or (want.index is not None and t.device.index != want.index)
+            if tuple(t.shape) != shape or t.dtype != dtype or elsewhere:
+                raise ValueError(f"out.{name} is {tuple(t.shape)} {t.dtype} on {t.device}; this payload decodes to "
+                                 f"{shape} {dtype} on {device}")
+        if out.start != codes.start:
+            raise ValueError(f"out starts at position {out.start}, the payload at {codes.start}")
+        return out.keys, out.values
+
+    def product_dtype(self, device) -> torch.dtype:
+        """The dtype of the decode's matmuls on ``device`` (:func:`matmul_dtype`); fp32 where PATCH
+        aligners read the features."""
+        if self.decoder is not None and self.decoder.patches:
+            return torch.float32
+        return matmul_dtype(self.matmul, device)
 
     def angles(self, start: int, tokens: int, device, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE half tables for ``tokens`` coded tokens from absolute position ``start``."""
@@ -107,14 +164,13 @@ class ScdCodec(Codec):
 
     @torch.no_grad()
     def decode_codes(self, codes: SpaceCodes, device, dtype: torch.dtype,
-                     angles: tuple[torch.Tensor, torch.Tensor] | None = None) -> KVState:
-        """Unpacked codes to KV. ``angles``: the coded tokens' RoPE half tables when the caller
-        supplies them (a CUDA graph's inputs), else read from the table at the codes' positions."""
+                     angles: tuple[torch.Tensor, torch.Tensor] | None = None, out: KVState | None = None) -> KVState:
+        """Unpacked codes to KV (into ``out`` when given, see :meth:`decode`). ``angles``: the coded
+        tokens' RoPE half tables when the caller supplies them (a CUDA graph's inputs), else read from
+        the table at the codes' positions."""
         layout = self.space.layout
         sinks = codes.sinks.num_tokens if codes.sinks is not None else 0
-        shape = (layout.num_layers, layout.kv_heads, codes.num_tokens, layout.head_dim)
-        keys = torch.empty(shape, device=device, dtype=dtype)
-        values = torch.empty(shape, device=device, dtype=dtype)
+        keys, values = self._outputs(codes, device, dtype, out)
         if sinks:
             keys[:, :, :sinks] = codes.sinks.keys
             values[:, :, :sinks] = codes.sinks.values
@@ -140,11 +196,17 @@ class ScdCodec(Codec):
         if self.space.hidden is not None:
             hidden = self.space.hidden.reconstruct(codes.hidden_codes)  # [T, P, D]
         patched = {p.layer for p in self.decoder.patches}
-        step, span = self._tile(coded, device)
+        product = self.product_dtype(device)
+        step, span = self._tile(coded, device, product.itemsize)
+        centres = None
+        if product != torch.float32:
+            matrix, offset, centres = self._centred(device, product)
         # one step's gathered codes, their float copy and its features, reused by every step
         gathered = torch.empty(2 * step * active * span, device=device, dtype=torch.uint8)
-        as_float = torch.empty(2 * step * active * span, device=device, dtype=torch.float32)
-        features = torch.empty(2 * step * span * layout.width, device=device, dtype=torch.float32)
+        as_float = torch.empty(2 * step * active * span, device=device, dtype=product)
+        features = torch.empty(2 * step * span * layout.width, device=device, dtype=product)
+        # bf16 products: one step's keys widened for the rotation (write_token_major)
+        scratch = torch.empty(step * span * layout.width, device=device) if product != torch.float32 else None
         for first in range(0, layout.num_layers, step):
             last = min(layout.num_layers, first + step)
             n, groups = 2 * (last - first), slice(2 * first, 2 * last)
@@ -155,11 +217,16 @@ class ScdCodec(Codec):
                 t = hi - lo
                 size = n * active * t
                 q = torch.index_select(codes.sorted_codes[:, lo:hi], 0, index, out=gathered[:size].view(n * active, t))
-                q = as_float[:size].view(n, active, t).copy_(q.view(n, active, t))
+                if centres is None:
+                    q = as_float[:size].view(n, active, t).copy_(q.view(n, active, t))
+                else:
+                    rows_of_step = slice(2 * first * active, 2 * last * active)
+                    q = centred_codes(q, centres[rows_of_step], as_float[:size].view(n * active, t)).view(n, active, t)
                 f = torch.baddbmm(step_offset, q.transpose(1, 2), step_matrix,
                                   out=features[:n * t * layout.width].view(n, t, layout.width))
                 for layer in patched.intersection(range(first, last)):
                     pair = 2 * (layer - first)
                     self._patched(layer, f[pair:pair + 2], None if hidden is None else hidden[lo:hi], device)
-                write_token_major(f, layout, cos[lo:hi], sin[lo:hi], step_keys[:, :, lo:hi], step_values[:, :, lo:hi])
+                write_token_major(f, layout, cos[lo:hi], sin[lo:hi], step_keys[:, :, lo:hi], step_values[:, :, lo:hi],
+                                  scratch)
         return KVState(keys, values, start=codes.start)

@@ -62,11 +62,15 @@ class PairDecoder:
         sources = ",".join(f"{p.layer}:{p.source}" for p in self.patches)
         return tensors_fingerprint(self.tensors(), extra=self.space_fingerprint + (f"|{sources}" if sources else ""))
 
-    def folded(self, space: CodeSpace, device: torch.device | str, dtype: torch.dtype
+    def folded(self, space: CodeSpace, device: torch.device | str, dtype: torch.dtype, *, centred: bool = False
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(M, c)`` with ``y = q M + c`` straight from the integer codes ``q`` (as floats): the basis,
         the map and each component's quantiser step and offset folded together. Zero-bit
-        components contribute nothing. Not cached here: :class:`ScdCodec` keeps the cut, contiguous copy."""
+        components contribute nothing. Not cached here: :class:`ScdCodec` keeps the cut, contiguous copy.
+
+        ``centred=True`` folds for the signed codes ``s = q - 2^(b - 1)`` instead (:func:`centred_codes`):
+        ``y = s M + c``, the quantiser's offset a mere half step, so a low-precision product (bf16 holds
+        every such ``s`` exactly) does not cancel a large ``q M`` against a large ``c``."""
         if space.fingerprint != self.space_fingerprint:
             raise ValueError(f"decoder for {self.consumer} was calibrated for space {self.space_fingerprint}, "
                              f"not {space.fingerprint}")
@@ -76,7 +80,22 @@ class PairDecoder:
         offset = torch.bmm(space.mean.double().unsqueeze(1), residual).squeeze(1) + self.bias.double()
         # z_hat_j = (q_j - levels_j / 2 + 0.5) * step_j, and 0 where a component has no bits
         step = torch.tensor(STEP, dtype=torch.float64)[space.bits] * space.sigma.double()
-        centre = torch.where(space.bits > 0, (1 << space.bits).double() / 2 - 0.5, torch.zeros(()).double())
+        # z_hat_j = (s_j + 0.5) * step_j with s_j = q_j - 2^(b_j - 1) (centred) or q_j - centre_j
+        centre = -0.5 * (space.bits > 0).double() if centred else code_centres(space).double() - 0.5 * (space.bits > 0)
         matrix = matrix * step.unsqueeze(-1)
         offset = offset - torch.bmm(centre.unsqueeze(1), matrix).squeeze(1)
         return matrix.to(device=device, dtype=dtype), offset.to(device=device, dtype=dtype)
+
+
+def code_centres(space: CodeSpace) -> torch.Tensor:
+    """``2^(b - 1)`` per component ``[G, C]`` (int64; 0 without bits): the code of a quantiser's middle."""
+    return torch.where(space.bits > 0, 1 << (space.bits - 1).clamp_min(0), torch.zeros((), dtype=torch.int64))
+
+
+def centred_codes(codes: torch.Tensor, centres: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``s = q - 2^(b - 1)`` of uint8 codes ``q`` into ``out`` (any float dtype): integers in
+    ``[-128, 127]``, exact in bf16; zero for components without bits (their ``q`` and centre are 0).
+    ``centres`` (uint8, :func:`code_centres`) broadcasts against ``codes``, which are overwritten: the
+    subtraction wraps in uint8 and is read back as int8, so it costs one byte pass and one conversion."""
+    torch.sub(codes, centres, out=codes)
+    return out.copy_(codes.view(torch.int8))

@@ -81,12 +81,17 @@ def from_features(features: torch.Tensor, layout: KVLayout, start: int) -> KVSta
 
 
 def write_token_major(features: torch.Tensor, layout: KVLayout, cos: torch.Tensor, sin: torch.Tensor,
-                      keys_out: torch.Tensor, values_out: torch.Tensor) -> None:
+                      keys_out: torch.Tensor, values_out: torch.Tensor, scratch: torch.Tensor | None = None) -> None:
     """The inference form of :func:`from_features`: write ``[2 * L', T, C]`` features of ``L'``
     consecutive layers (as a batched matmul produces them) into ``keys_out`` / ``values_out``
     ``[L', H, T, D]`` (any strides), moving heads and rotating keys in one pass per tensor.
-    ``cos`` / ``sin`` are the tokens' RoPE half tables (:meth:`RopeTable.halves`)."""
+    ``cos`` / ``sin`` are the tokens' RoPE half tables (:meth:`RopeTable.halves`). Features in
+    another dtype than ``cos`` (bf16 products) have their keys widened into ``scratch`` first (at least
+    ``L' * T * C`` elements of ``cos``'s dtype): one conversion instead of a temporary per rotation op."""
     groups, t, _ = features.shape
     f = features.view(groups // 2, 2, t, layout.kv_heads, layout.head_dim)
-    rotate_into(keys_out, f[:, 0].permute(0, 2, 1, 3), cos, sin)
+    keys = f[:, 0]
+    if scratch is not None and keys.dtype != cos.dtype:
+        keys = scratch[:keys.numel()].view(keys.shape).copy_(keys)
+    rotate_into(keys_out, keys.permute(0, 2, 1, 3), cos, sin)
     values_out.copy_(f[:, 1].permute(0, 2, 1, 3))

@@ -8,6 +8,9 @@ processes only ever add time, and they add proportionally more to a 30 ms decode
 
 Runs on the real prepared pair and bundle when given, else on a random-init model of the
 producer's architecture with a code space fitted to its own KV (speed does not depend on weights).
+Beside the plain decode (fresh output tensors) the same rounds time ``decode_into`` (into one
+preallocated destination, as an engine's KV buffers are: a long prefix's fresh output pages cost
+more than its maths on a CPU) and, where the decode's products run in bf16, ``decode_fp32_products``.
 On CUDA the timed decode reads the payload from device memory (a GPU tier hit) and replays CUDA
 graphs; ``decode_from_host_best_ms`` (bytes in host memory), ``decode_eager_best_ms`` (no
 graphs) and ``decode_fused_best_ms`` (the opt-in fused Triton kernel) are reported beside it.
@@ -25,6 +28,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from scd_store.adapters.transformers.calibrate import layout_of
 from scd_store.adapters.transformers.capture import prefill_capture
+from scd_store.codecs.kv_state import KVState
 from scd_store.codecs.scd.codec import ScdCodec
 from scd_store.codecs.scd.decoder import PairDecoder
 from scd_store.codecs.scd.layout import to_features
@@ -73,14 +77,19 @@ def timed_median(fn: Callable[[], object], repeats: int, device: str) -> float:
 
 
 def side_by_side(prefill: Callable[[], object], decode: Callable[[], object], rounds: int, decodes_per_round: int,
-                 device: str) -> dict[str, list[float]]:
+                 device: str, others: dict[str, Callable[[], object]] | None = None) -> dict[str, list[float]]:
     """Interleaved timings (seconds) after one warm-up of each: per round one prefill, then
-    ``decodes_per_round`` decodes."""
-    prefill(), decode()
-    times: dict[str, list[float]] = {"prefill": [], "decode": []}
+    ``decodes_per_round`` decodes (and as many of each of ``others``, alternating with them)."""
+    decoders = {"decode": decode, **(others or {})}
+    prefill()
+    for fn in decoders.values():
+        fn()
+    times: dict[str, list[float]] = {"prefill": [], **{name: [] for name in decoders}}
     for _ in range(rounds):
         times["prefill"].append(timed(prefill, device))
-        times["decode"].extend(timed(decode, device) for _ in range(decodes_per_round))
+        for _ in range(decodes_per_round):
+            for name, fn in decoders.items():
+                times[name].append(timed(fn, device))
     return times
 
 
@@ -139,12 +148,27 @@ def run_decode_bench(config: DecodeBenchConfig, codec: ScdCodec | None = None,
         # the consumer's own prefill as a server runs it: logits for the last token only
         # on an accelerator the codes come from its GPU tier: a device tensor, no host copy
         source = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(config.device) if on_cuda else payload
+        # an engine decodes into its own KV buffers: one preallocated destination, reused (no fresh pages)
+        shape = (state.num_layers, state.num_kv_heads, state.num_tokens, state.head_dim)
+        into = KVState(torch.empty(shape, device=config.device, dtype=dtype),
+                       torch.empty(shape, device=config.device, dtype=dtype))
+        others = {"into": lambda p=source, c=bench_codec, o=into: c.decode(p, device=config.device, dtype=dtype, out=o)}
+        if not on_cuda and bench_codec.product_dtype(config.device) != torch.float32:
+            # the same decode with fp32 products, interleaved: what the low-precision products buy
+            fp32 = ScdCodec(bench_codec.space, bench_codec.decoder, matmul="float32")
+            others["fp32"] = lambda p=source, c=fp32: c.decode(p, device=config.device, dtype=dtype)
         times = side_by_side(lambda ids=ids: prefill_capture(model, ids, last_logits_only=True),
                              lambda p=source, c=bench_codec: c.decode(p, device=config.device, dtype=dtype),
-                             config.repeats, config.decodes_per_round, config.device)
+                             config.repeats, config.decodes_per_round, config.device, others)
         prefill, decode = times["prefill"], times["decode"]
+        extra = {"decode_into_best_ms": round(min(times["into"]) * 1e3, 3),
+                 "decode_into_vs_prefill": round(min(times["into"]) / min(prefill), 4)}
+        if "fp32" in times:
+            extra.update({"decode_fp32_products_best_ms": round(min(times["fp32"]) * 1e3, 3),
+                          "decode_fp32_products_vs_prefill": round(min(times["fp32"]) / min(prefill), 4)})
         encode_s = timed_median(lambda s=state, c=bench_codec: c.encode(s), config.repeats, config.device)
-        extra = _cuda_variants(bench_codec, payload, source, config, dtype) if on_cuda else {}
+        if on_cuda:
+            extra.update(_cuda_variants(bench_codec, payload, source, config, dtype))
         results.append({
             "prefix_tokens": length,
             "payload_bytes": len(payload),
@@ -159,6 +183,7 @@ def run_decode_bench(config: DecodeBenchConfig, codec: ScdCodec | None = None,
             **extra,
         })
     return {"device": config.device, "dtype": config.dtype, "budget": config.budget,
+            "products": str(bench_codec.product_dtype(config.device)).removeprefix("torch."),
             "payload_on": "device" if on_cuda else "host",
             "model": "real" if consumer is not None else "random-init SmolLM2-135M geometry",
             "threads": torch.get_num_threads(), "rounds": config.repeats, "decodes_per_round": config.decodes_per_round,

@@ -14,6 +14,9 @@ def test_decode_bench_reports_side_by_side_timings():
         assert abs(row["decode_vs_prefill"] - row["decode_best_ms"] / row["prefill_best_ms"]) < 1e-3
         assert abs(row["decode_vs_prefill_median"] - row["decode_ms"] / row["prefill_ms"]) < 1e-3
         assert 0 < row["payload_ratio"] < 1
+        assert row["decode_into_best_ms"] > 0
+        assert abs(row["decode_into_vs_prefill"] - row["decode_into_best_ms"] / row["prefill_best_ms"]) < 1e-3
+        assert ("decode_fp32_products_best_ms" in row) == (report["products"] == "bfloat16")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -58,10 +58,10 @@ def test_decoder_maps_are_applied():
     space = fitted_space(budget=0.5, sinks=0)
     shift = torch.zeros(LAYOUT.groups, LAYOUT.width)
     shift[1] = 5.0  # values of layer 0
-    codec = ScdCodec(space, PairDecoder.identity(space, "c", mean_shift=shift))
+    codec = ScdCodec(space, PairDecoder.identity(space, "c", mean_shift=shift), matmul="float32")
     state = correlated_state(10, seed=1)
     out = codec.decode(codec.encode(state))
-    plain = ScdCodec(space, PairDecoder.identity(space, "c")).decode(codec.encode(state))
+    plain = ScdCodec(space, PairDecoder.identity(space, "c"), matmul="float32").decode(codec.encode(state))
     torch.testing.assert_close(out.values[0] - plain.values[0], torch.full_like(out.values[0], 5.0), atol=1e-4,
                                rtol=0)
     torch.testing.assert_close(out.keys, plain.keys)
@@ -116,7 +116,7 @@ def test_folded_decode_equals_the_unfolded_maths():
     x = torch.einsum("tgc,gdc->tgd", zhat, space.basis) + space.mean
     y = x + torch.einsum("tgc,gcd->tgd", x, weight) + bias
     expected = from_features(y, LAYOUT, start=5)
-    out = ScdCodec(space, decoder).decode(payload)
+    out = ScdCodec(space, decoder, matmul="float32").decode(payload)
     torch.testing.assert_close(out.keys, expected.keys, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(out.values, expected.values, atol=1e-4, rtol=1e-4)
 
@@ -199,7 +199,7 @@ def test_a_space_without_bits_decodes_to_the_mean():
     space = fitted_space(budget=0.3)
     no_bits = torch.zeros_like(space.bits)
     empty = CodeSpace("empty", LAYOUT, space.mean, space.basis, space.sigma, no_bits, sink_tokens=0)
-    codec = ScdCodec(empty, PairDecoder.identity(empty, "c"))
+    codec = ScdCodec(empty, PairDecoder.identity(empty, "c"), matmul="float32")
     out = codec.decode(codec.encode(correlated_state(9)))
     assert out.values.shape == (LAYOUT.num_layers, LAYOUT.kv_heads, 9, LAYOUT.head_dim)
     expected = space.mean.view(LAYOUT.num_layers, 2, LAYOUT.kv_heads, LAYOUT.head_dim)[:, 1]
