@@ -22,12 +22,11 @@ def state_from_kv_2ltd(tensor: torch.Tensor, num_kv_heads: int, start: int) -> K
     return KVState(kv[0].contiguous(), kv[1].contiguous(), start=start)
 
 
-def write_kv_2ltd(state: KVState, out: torch.Tensor) -> None:
-    """Write ``state`` into a ``[2, layers, tokens, heads * head_dim]`` tensor (casting to its dtype)."""
-    layers, heads, tokens, dim = state.keys.shape
-    if tuple(out.shape) != (2, layers, tokens, heads * dim):
-        raise ValueError(f"chunk buffer {tuple(out.shape)} does not fit KV of {layers} layers x {tokens} tokens "
-                         f"x {heads} heads x {dim}")
-    view = out.view(2, layers, tokens, heads, dim)
-    view[0].copy_(state.keys.permute(0, 2, 1, 3))
-    view[1].copy_(state.values.permute(0, 2, 1, 3))
+def kv_2ltd_views(tensor: torch.Tensor, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(keys, values)`` views ``[layers, heads, tokens, head_dim]`` of a ``[2, layers, tokens, heads *
+    head_dim]`` (LMCache ``KV_2LTD``) tensor: what a codec decodes into in place."""
+    if tensor.dim() != 4 or tensor.shape[0] != 2 or tensor.shape[3] % num_kv_heads:
+        raise ValueError(f"not a KV_2LTD chunk with {num_kv_heads} kv heads: shape {tuple(tensor.shape)}")
+    layers, tokens, width = tensor.shape[1:]
+    view = tensor.view(2, layers, tokens, num_kv_heads, width // num_kv_heads).permute(0, 1, 3, 2, 4)
+    return view[0], view[1]

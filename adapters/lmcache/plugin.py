@@ -11,8 +11,8 @@ Configure in the LMCache YAML::
 
 Store path: chunks that a space's producer engine stores are encoded into its code space and put
 under LMCache's chunk hash. Retrieve path: a registered consumer engine asking for the same chunk
-hash (under its own model name) gets the producer's codes decoded into its own KV, written into a
-``KV_2LTD`` memory object from LMCache's CPU allocator: an ordinary LMCache hit. Everyone else
+hash (under its own model name) gets the producer's codes decoded into its own KV, straight into a
+``KV_2LTD`` memory object from LMCache's CPU allocator (no copy): an ordinary LMCache hit. Everyone else
 misses. A bad configuration raises at construction (LMCache only logs that, so the error is also
 logged here with the fix).
 """
@@ -29,7 +29,7 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from scd_store.adapters.engine_settings import EngineSettings, SettingsError, acquire_service, release_service
-from scd_store.adapters.lmcache.layout import chunk_hash_bytes, state_from_kv_2ltd, write_kv_2ltd
+from scd_store.adapters.lmcache.layout import chunk_hash_bytes, kv_2ltd_views, state_from_kv_2ltd
 from scd_store.codecs.kv_state import KVState
 
 log = logging.getLogger("scd_store.adapters.lmcache")
@@ -165,15 +165,26 @@ class ScdStoragePlugin(StoragePluginInterface):
         out: list[MemoryObj | None] = [None] * len(keys)
         if not keys or not self._is_consumer(keys[0].model_name):
             return out
-        states = self.service.get(keys[0].model_name, [chunk_hash_bytes(k.chunk_hash) for k in keys])
-        for i, (key, state) in enumerate(zip(keys, states, strict=False)):
-            shape = torch.Size([2, state.num_layers, state.num_tokens, state.num_kv_heads * state.head_dim])
-            obj = self.local_cpu_backend.allocate(shape, key.dtype, fmt=MemoryFormat.KV_2LTD)
+        layers, _, _, heads, dim = self.metadata.kv_shape
+        allocated: list[MemoryObj] = []
+
+        def chunk_buffers(i: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+            # each chunk decodes straight into its KV_2LTD memory object from LMCache's CPU allocator
+            shape = torch.Size([2, layers, tokens, heads * dim])
+            obj = self.local_cpu_backend.allocate(shape, keys[i].dtype, fmt=MemoryFormat.KV_2LTD)
             if obj is None:
                 self._warn_once("alloc", "scd-store: LMCache's CPU allocator is full; retrieved chunks dropped")
-                break
-            write_kv_2ltd(state, obj.tensor)
-            out[i] = obj
+                return None
+            allocated.append(obj)
+            return kv_2ltd_views(obj.tensor, heads)
+
+        states = self.service.get(keys[0].model_name, [chunk_hash_bytes(k.chunk_hash) for k in keys],
+                                  into=chunk_buffers)
+        for i, obj in enumerate(allocated):
+            if i < len(states):
+                out[i] = obj
+            else:  # its chunk was refused by the codec: hand the memory back
+                obj.ref_count_down()
         return out
 
     def pin(self, key: CacheEngineKey) -> bool:

@@ -58,7 +58,14 @@ class CalibrationConfig:
     # cut, so each window supervises many continuations instead of one (1.0 = always the full prefix)
     shortest_prefix: float = 0.5
     distill_windows: int = 48
-    distill_steps: int = 300
+    # None: as many steps as fit a pair's calibration into time_budget_s (measured on the first steps, rounded
+    # down to a multiple of 100, within min_steps..max_steps); quality grows with steps (docs/scd.md: Python
+    # +3.57% at 300, +2.92% at 1,000), and what fits depends on the machine (1,000: ~8 min on 2 AMX cores,
+    # ~22 on 2 AVX2 ones)
+    distill_steps: int | None = None
+    min_steps: int = 300
+    max_steps: int = 1000
+    time_budget_s: float = 540.0
     batch_size: int = 2
     lr_weight: float = 1e-4
     lr_bias: float = 1e-3
@@ -79,8 +86,12 @@ class CalibrationConfig:
             raise ValueError(f"budget must be in (0, 1], got {self.budget}")
         if self.prefix_tokens <= self.sink_tokens or self.continuation_tokens <= 0:
             raise ValueError("prefix must be longer than the sink tokens; continuation must be positive")
-        if min(self.basis_windows, self.distill_windows, self.batch_size) <= 0 or self.distill_steps < 0:
+        if min(self.basis_windows, self.distill_windows, self.batch_size) <= 0:
             raise ValueError("window counts and batch size must be positive")
+        if self.distill_steps is not None and self.distill_steps < 0:
+            raise ValueError(f"distill_steps must be >= 0 (or None: fit the time budget), got {self.distill_steps}")
+        if not 0 < self.min_steps <= self.max_steps or self.time_budget_s <= 0:
+            raise ValueError("need 0 < min_steps <= max_steps and a positive time_budget_s")
         if self.patch_layers < 0 or self.patch_units <= 0 or self.selection_windows <= 0:
             raise ValueError("patch_layers must be >= 0; patch_units and selection_windows positive")
         if not self.splits or "eval" in self.splits:
@@ -300,15 +311,31 @@ def greedy_margin_loss(student: torch.Tensor, teacher: torch.Tensor, cap: float 
     return torch.relu(teacher_margin - (chosen - runner_up)).mean()
 
 
+# steps timed before an automatic step count is fixed (their learning rate is the schedule's first, ~1.0x)
+PROBE_STEPS = 20
+
+
+def planned_steps(config: CalibrationConfig, done: int, step_seconds: float, seconds_left: float) -> int:
+    """The step count of a time-budgeted distillation: ``done`` steps plus as many more as fit
+    ``seconds_left`` at ``step_seconds`` each, rounded down to a multiple of 100, within the config's
+    ``min_steps..max_steps``."""
+    fit = done + max(0.0, seconds_left) / max(step_seconds, 1e-9)
+    return int(min(config.max_steps, max(config.min_steps, fit // 100 * 100)))
+
+
 def distil_decoder(producer: LoadedModel, consumer: LoadedModel, space: CodeSpace, corpus: str,
                    config: CalibrationConfig, progress: bool = True, patch_layers: tuple[int, ...] = (),
-                   teacher: TeacherData | None = None) -> tuple[PairDecoder, dict]:
+                   teacher: TeacherData | None = None, time_limit_s: float | None = None) -> tuple[PairDecoder, dict]:
     """Train ``consumer``'s decoder for ``space`` end to end; returns it with training stats.
 
     A PATCH space's patch layers always get "hidden" aligners; ``patch_layers`` adds "kv" aligners
     (payload-free) at those layers of a REUSE space. ``teacher`` (from :func:`collect_teacher`)
-    is reused when given, so a sweep runs the models over the windows once."""
+    is reused when given, so a sweep runs the models over the windows once. With
+    ``config.distill_steps=None`` the step count fits ``time_limit_s`` seconds from this call's start
+    (default: the config's ``time_budget_s``; see :func:`planned_steps`)."""
     start_time = time.perf_counter()
+    if time_limit_s is None:
+        time_limit_s = config.time_budget_s
     if teacher is None:
         teacher = collect_teacher(producer, consumer, corpus, config, space.patch_layers, progress)
     data = _through_space(space, teacher, config.sink_tokens)
@@ -334,8 +361,15 @@ def distil_decoder(producer: LoadedModel, consumer: LoadedModel, space: CodeSpac
     n = data.xhat.shape[0]
     prefix = data.xhat.shape[1] + config.sink_tokens  # the teacher's prefix length
     first_cut = data.first_cut
-    bar = tqdm(range(config.distill_steps), desc=f"distil {consumer.name}: train", unit="step", disable=not progress)
-    for step in bar:
+    total = config.distill_steps if config.distill_steps is not None else config.max_steps
+    bar = tqdm(total=total, desc=f"distil {consumer.name}: train", unit="step", disable=not progress)
+    step, train_start = 0, time.perf_counter()
+    while step < total:
+        if config.distill_steps is None and step == min(PROBE_STEPS, total):
+            now = time.perf_counter()
+            total = planned_steps(config, step, (now - train_start) / step, start_time + time_limit_s - now)
+            bar.total = total
+            bar.refresh()
         idx = torch.randint(0, n, (config.batch_size,), generator=generator)
         cut = prefix
         if first_cut < prefix:
@@ -363,11 +397,14 @@ def distil_decoder(producer: LoadedModel, consumer: LoadedModel, space: CodeSpac
         loss.backward()
         # cosine decay over the run keeps the last steps from jittering
         for group, base in zip(optimizer.param_groups, base_lrs, strict=True):
-            group["lr"] = base * 0.5 * (1 + math.cos(math.pi * step / max(1, config.distill_steps)))
+            group["lr"] = base * 0.5 * (1 + math.cos(math.pi * step / max(1, total)))
         optimizer.step()
         losses.append(float(kl.detach()))
         if step % 10 == 0:
             bar.set_postfix(kl=f"{sum(losses[-20:]) / len(losses[-20:]):.4f}")
+        bar.update(1)
+        step += 1
+    bar.close()
     for patch in patches:
         for t in patch.trainable():
             t.requires_grad_(False)
@@ -375,7 +412,8 @@ def distil_decoder(producer: LoadedModel, consumer: LoadedModel, space: CodeSpac
                           consumer.fingerprint, patches)
     stats = {
         "windows": n,
-        "steps": config.distill_steps,
+        "steps": total,
+        "steps_from": "fixed" if config.distill_steps is not None else f"time budget {time_limit_s:.0f} s",
         "greedy_weight": config.greedy_weight,
         "shortest_prefix": config.shortest_prefix,
         "collect_seconds": round(collect_seconds, 1),

@@ -86,6 +86,9 @@ def calibrate(producer_name: str, consumers: list[str], out: Path, budget: float
     stats = None if reuse_space else space_statistics(producer, corpora, config, hidden_layers)
     teachers = {spec.name: collect_teacher(producer, consumer, spec.corpus, config, hidden_layers)
                 for spec, consumer in zip(specs, loaded, strict=True)}
+    # a pair's calibration fits the time budget: the shared phases so far (models, space, teachers) count
+    # per consumer against it, the rest is each distillation's (config.distill_steps=None)
+    time_limit = config.time_budget_s - (time.perf_counter() - start) / len(specs)
     for b, k in combos:
         combo_config = replace(config, budget=b, patch_layers=k)
         chosen = tuple(sorted(ranking[:k]))
@@ -107,7 +110,8 @@ def calibrate(producer_name: str, consumers: list[str], out: Path, budget: float
         for spec, consumer in zip(specs, loaded, strict=True):
             kv_layers = chosen if patch_source == "kv" else ()
             decoder, pair_stats = distil_decoder(producer, consumer, space, spec.corpus, combo_config,
-                                                 patch_layers=kv_layers, teacher=teachers[spec.name])
+                                                 patch_layers=kv_layers, teacher=teachers[spec.name],
+                                                 time_limit_s=time_limit)
             save_pair(path, decoder, extra={"calibration": pair_stats})
             entry["consumers"][spec.name] = pair_stats
         report["bundles"][str(path)] = entry

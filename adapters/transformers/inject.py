@@ -10,6 +10,33 @@ from scd_store.adapters.transformers.compat import cache_kwarg
 from scd_store.codecs.kv_state import KVState
 
 
+class PrefixBuffer:
+    """One prefix's KV for ``model`` (its device and dtype), filled chunk after chunk in place: pass it
+    as ``KVService.get(..., into=buffer)``, so chunks decode straight into it (no concatenation)."""
+
+    def __init__(self, model: torch.nn.Module, max_tokens: int) -> None:
+        config, param = model.config, next(model.parameters())
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        shape = (config.num_hidden_layers, config.num_key_value_heads, max_tokens, head_dim)
+        self.keys = torch.empty(shape, device=param.device, dtype=param.dtype)
+        self.values = torch.empty(shape, device=param.device, dtype=param.dtype)
+        self.handed_out = 0
+
+    def __call__(self, index: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The next ``tokens`` positions' buffers (``index`` is the chunk's place in the run), or None when full."""
+        start = self.handed_out
+        if start + tokens > self.keys.shape[2]:
+            return None
+        self.handed_out += tokens
+        return self.keys[:, :, start:start + tokens], self.values[:, :, start:start + tokens]
+
+    def state(self, tokens: int) -> KVState | None:
+        """The first ``tokens`` positions (the chunks the store returned) as a state, or None for none."""
+        if not tokens:
+            return None
+        return KVState(self.keys[:, :, :tokens], self.values[:, :, :tokens])
+
+
 def build_cache(model: torch.nn.Module, state: KVState | None) -> DynamicCache:
     """A transformers cache holding ``state`` (empty when ``state`` is None), on the model's device and dtype."""
     cache = DynamicCache(config=model.config)

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from scd_store.codecs.base import Codec
+from scd_store.codecs.base import Codec, check_buffers
 from scd_store.codecs.kv_state import KVState
 from scd_store.codecs.scd import fused
 from scd_store.codecs.scd.decoder import PairDecoder, centred_codes, code_centres
@@ -119,37 +119,31 @@ class ScdCodec(Codec):
         return max(1, min(layers, _CPU_STEP_BYTES // max(1, per_layer))), span
 
     @torch.no_grad()
-    def decode(self, payload: bytes | torch.Tensor, *, device="cpu", dtype=torch.float32,
-               out: KVState | None = None) -> KVState:
+    def decode(self, payload: bytes | torch.Tensor, *, device="cpu", dtype=torch.float32) -> KVState:
         """Rebuild the consumer's KV; ``payload`` is bytes or a uint8 tensor (a GPU tier's blob: no
-        host copy). On CUDA, REUSE decodes of up to ``graphs.max_tokens`` tokens replay a CUDA graph.
-        ``out``: KV tensors of the payload's shape on ``device`` in ``dtype`` (an engine's buffers) to
-        write into instead of fresh ones (a long prefix's fresh output pages cost more than its maths)."""
-        if self.decoder is None:
-            raise ValueError("this SCD codec has no consumer decoder: it can encode only")
-        if self.graphs is not None and torch.device(device).type == "cuda" and out is None:
+        host copy). On CUDA, REUSE decodes of up to ``graphs.max_tokens`` tokens replay a CUDA graph."""
+        self._require_decoder()
+        if self.graphs is not None and torch.device(device).type == "cuda":
             _, meta, tensors = unpack(payload, CODEC_ID)
             state = self.graphs.decode(meta, tensors, torch.device(device), dtype)
             if state is not None:
                 return state
             return self.decode_codes(self.space.codes_from(meta, tensors, device), device, dtype)
-        return self.decode_codes(self.space.unpack(payload, device=device), device, dtype, out=out)
+        return self.decode_codes(self.space.unpack(payload, device=device), device, dtype)
 
-    def _outputs(self, codes: SpaceCodes, device, dtype: torch.dtype, out: KVState | None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    @torch.no_grad()
+    def decode_into(self, payload: bytes | torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> KVState:
+        """:meth:`decode` written straight into an engine's buffers (any strides; no copy, and no fresh
+        output pages: on a CPU those cost a long prefix more than the decode's maths)."""
+        self._require_decoder()
+        codes = self.space.unpack(payload, device=keys.device)
         layout = self.space.layout
-        shape = (layout.num_layers, layout.kv_heads, codes.num_tokens, layout.head_dim)
-        if out is None:
-            return torch.empty(shape, device=device, dtype=dtype), torch.empty(shape, device=device, dtype=dtype)
-        want = torch.device(device)
-        for name, t in (("keys", out.keys), ("values", out.values)):
-            elsewhere = t.device.type != want.type or (want.index is not None and t.device.index != want.index)
-            if tuple(t.shape) != shape or t.dtype != dtype or elsewhere:
-                raise ValueError(f"out.{name} is {tuple(t.shape)} {t.dtype} on {t.device}; this payload decodes to "
-                                 f"{shape} {dtype} on {device}")
-        if out.start != codes.start:
-            raise ValueError(f"out starts at position {out.start}, the payload at {codes.start}")
-        return out.keys, out.values
+        check_buffers((layout.num_layers, layout.kv_heads, codes.num_tokens, layout.head_dim), keys, values)
+        return self.decode_codes(codes, keys.device, keys.dtype, out=(keys, values))
+
+    def _require_decoder(self) -> None:
+        if self.decoder is None:
+            raise ValueError("this SCD codec has no consumer decoder: it can encode only")
 
     def product_dtype(self, device) -> torch.dtype:
         """The dtype of the decode's matmuls on ``device`` (:func:`matmul_dtype`); fp32 where PATCH
@@ -164,13 +158,17 @@ class ScdCodec(Codec):
 
     @torch.no_grad()
     def decode_codes(self, codes: SpaceCodes, device, dtype: torch.dtype,
-                     angles: tuple[torch.Tensor, torch.Tensor] | None = None, out: KVState | None = None) -> KVState:
-        """Unpacked codes to KV (into ``out`` when given, see :meth:`decode`). ``angles``: the coded
-        tokens' RoPE half tables when the caller supplies them (a CUDA graph's inputs), else read from
-        the table at the codes' positions."""
+                     angles: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     out: tuple[torch.Tensor, torch.Tensor] | None = None) -> KVState:
+        """Unpacked codes to KV, into ``out`` (checked key and value buffers) when given. ``angles``: the
+        coded tokens' RoPE half tables when the caller supplies them (a CUDA graph's inputs), else
+        read from the table at the codes' positions."""
         layout = self.space.layout
         sinks = codes.sinks.num_tokens if codes.sinks is not None else 0
-        keys, values = self._outputs(codes, device, dtype, out)
+        shape = (layout.num_layers, layout.kv_heads, codes.num_tokens, layout.head_dim)
+        if out is None:
+            out = torch.empty(shape, device=device, dtype=dtype), torch.empty(shape, device=device, dtype=dtype)
+        keys, values = out
         if sinks:
             keys[:, :, :sinks] = codes.sinks.keys
             values[:, :, :sinks] = codes.sinks.values

@@ -28,7 +28,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from scd_store.adapters.transformers.calibrate import layout_of
 from scd_store.adapters.transformers.capture import prefill_capture
-from scd_store.codecs.kv_state import KVState
 from scd_store.codecs.scd.codec import ScdCodec
 from scd_store.codecs.scd.decoder import PairDecoder
 from scd_store.codecs.scd.layout import to_features
@@ -150,9 +149,8 @@ def run_decode_bench(config: DecodeBenchConfig, codec: ScdCodec | None = None,
         source = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(config.device) if on_cuda else payload
         # an engine decodes into its own KV buffers: one preallocated destination, reused (no fresh pages)
         shape = (state.num_layers, state.num_kv_heads, state.num_tokens, state.head_dim)
-        into = KVState(torch.empty(shape, device=config.device, dtype=dtype),
-                       torch.empty(shape, device=config.device, dtype=dtype))
-        others = {"into": lambda p=source, c=bench_codec, o=into: c.decode(p, device=config.device, dtype=dtype, out=o)}
+        into = tuple(torch.empty(shape, device=config.device, dtype=dtype) for _ in range(2))
+        others = {"into": lambda p=source, c=bench_codec, o=into: c.decode_into(p, *o)}
         if not on_cuda and bench_codec.product_dtype(config.device) != torch.float32:
             # the same decode with fp32 products, interleaved: what the low-precision products buy
             fp32 = ScdCodec(bench_codec.space, bench_codec.decoder, matmul="float32")

@@ -22,7 +22,7 @@ from rich.table import Table
 from scd_store.adapters.transformers import LoadedModel, load_model
 from scd_store.adapters.transformers.calibrate import CalibrationConfig
 from scd_store.adapters.transformers.capture import prefill_capture
-from scd_store.adapters.transformers.inject import generate_greedy
+from scd_store.adapters.transformers.inject import PrefixBuffer, generate_greedy
 from scd_store.bench.ttft import first_token
 from scd_store.codecs.kv_state import KVState
 from scd_store.demo.prompts import REQUESTS, SYSTEM_PROMPT
@@ -106,11 +106,6 @@ def _agreement(a: list[int], b: list[int]) -> tuple[int, float]:
     return common, (sum(x == y for x, y in zip(a, b, strict=False)) / n if n else 1.0)
 
 
-def _concat(states: list[KVState]) -> KVState:
-    return KVState(torch.cat([s.keys for s in states], dim=2), torch.cat([s.values for s in states], dim=2),
-                   start=states[0].start)
-
-
 def _short(text: str, width: int = 60) -> str:
     """One line of at most ``width`` characters, with rich markup escaped (code has brackets)."""
     text = " ".join(text.split())
@@ -130,9 +125,10 @@ def serve_consumer(service: KVService, consumer: LoadedModel, prefix_ids: torch.
 
         read_before = service.store.stats.value("bytes_read")
         t0 = time.perf_counter()
-        states = service.get(consumer.name, hashes, device=config.device)
-        state = _concat(states) if states else None
-        covered = state.num_tokens if state is not None else 0
+        buffer = PrefixBuffer(consumer.model, len(prefix_ids))  # the chunks decode straight into it
+        states = service.get(consumer.name, hashes, into=buffer)
+        covered = sum(s.num_tokens for s in states)
+        state = buffer.state(covered)
         first_token(consumer.model, state, full[covered:])
         scd_ttft = time.perf_counter() - t0
         fetched = service.store.stats.value("bytes_read") - read_before

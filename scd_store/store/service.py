@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +25,9 @@ from scd_store.codecs.scd.space import CodeSpace
 from scd_store.codecs.tensor_pack import PayloadError
 from scd_store.store.registry import Pair, Space
 from scd_store.store.store import ConsumerView, ProducerView, TieredStore
+
+# an engine's (keys, values) buffers for chunk i of n tokens, or None: see KVService.get
+Buffers = Callable[[int, int], tuple[torch.Tensor, torch.Tensor] | None]
 
 log = logging.getLogger("scd_store.service")
 
@@ -150,11 +153,14 @@ class KVService:
         return self._consumer(binding).contains_hashes(hashes)
 
     def get(self, model: str, hashes: Sequence[bytes], *, device: torch.device | str = "cpu",
-            dtype: torch.dtype = torch.float32) -> list[KVState]:
+            dtype: torch.dtype = torch.float32, into: Buffers | None = None) -> list[KVState]:
         """A consumer's KV for the leading run of ``hashes`` held in the store, one state per chunk.
 
         Unknown models and producers (whose own cache is raw) get ``[]``; a chunk whose payload the
-        codec refuses ends the run (it is counted, never decoded into garbage)."""
+        codec refuses ends the run (it is counted, never decoded into garbage). ``into(i, tokens)``,
+        when given, returns the engine's ``(keys, values)`` buffers ``[layers, kv_heads, tokens,
+        head_dim]`` for chunk ``i`` (their device and dtype win over ``device`` / ``dtype``), or None to
+        end the run there: chunks decode straight into them (``Codec.decode_into``)."""
         device = torch.device(device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {device} requested but CUDA is not available here; use device='cpu'")
@@ -166,9 +172,15 @@ class KVService:
         chunks = self._consumer(binding).get_hashes(hashes)
         t0 = time.perf_counter()
         states: list[KVState] = []
-        for chunk in chunks:
+        for i, chunk in enumerate(chunks):
+            buffers = into(i, chunk.token_count) if into is not None else None
+            if into is not None and buffers is None:
+                break
             try:
-                state = binding.codec.decode(chunk.payload, device=device, dtype=dtype)  # no copy: unpack takes views
+                if buffers is None:  # no copy: unpack takes views
+                    state = binding.codec.decode(chunk.payload, device=device, dtype=dtype)
+                else:
+                    state = binding.codec.decode_into(chunk.payload, *buffers)
             except PayloadError as exc:
                 self.store.stats.inc("corrupt_blobs", tier=chunk.tier, space=binding.space.space_id)
                 log.warning("scd-store: chunk %s refused by the codec: %s", chunk.key, exc)

@@ -69,3 +69,18 @@ def test_prefill_keeps_only_the_last_logits_asked_for(tiny_model, device):
     _, last5 = prefill_capture(tiny_model, ids, logits_to_keep=5)
     assert last5.shape == (5, full.shape[-1])
     torch.testing.assert_close(last5, full[-5:], atol=1e-5, rtol=1e-5)
+
+
+def test_prefix_buffer_hands_out_consecutive_slices_until_full():
+    from scd_store.adapters.transformers.inject import PrefixBuffer
+    from tests.conftest import tiny_llama
+
+    model = tiny_llama()
+    buffer = PrefixBuffer(model, 10)
+    first, second = buffer(0, 4), buffer(1, 4)
+    assert first[0].shape == (3, 2, 4, 16) and first[0].dtype == next(model.parameters()).dtype
+    assert second[0].data_ptr() == buffer.keys[:, :, 4:].data_ptr()
+    assert buffer(2, 4) is None  # 8 + 4 > 10: the run ends there
+    first[0].fill_(1.0)
+    state = buffer.state(8)
+    assert state.num_tokens == 8 and bool((state.keys[:, :, :4] == 1).all()) and buffer.state(0) is None

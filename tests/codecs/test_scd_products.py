@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from scd_store.codecs import KVState
+from scd_store.codecs import PayloadError
+from scd_store.codecs.registry import make_codec
 from scd_store.codecs.scd import codec as codec_module
 from scd_store.codecs.scd.codec import ScdCodec, matmul_dtype
 from scd_store.codecs.scd.decoder import PairDecoder, centred_codes, code_centres
@@ -81,25 +82,37 @@ def test_matmul_choice_is_validated_and_auto_follows_the_hardware(monkeypatch):
 def test_decode_into_given_buffers_equals_a_fresh_decode(matmul):
     space, decoder = _pair()
     codec = ScdCodec(space, decoder, matmul=matmul)
-    payload = codec.encode(correlated_state(30, start=0, seed=9))
+    payload = codec.encode(correlated_state(30, start=5, seed=9))
     fresh = codec.decode(payload)
     # an engine's buffers: LMCache's [2, layers, tokens, heads * dim] chunk, viewed as [layers, heads, tokens, dim]
     chunk = torch.full((2, LAYOUT.num_layers, 30, LAYOUT.width), float("nan"))
     view = chunk.view(2, LAYOUT.num_layers, 30, LAYOUT.kv_heads, LAYOUT.head_dim).permute(0, 1, 3, 2, 4)
-    out = codec.decode(payload, out=KVState(view[0], view[1]))
-    assert out.keys.data_ptr() == chunk[0].data_ptr() and not chunk.isnan().any()
+    out = codec.decode_into(payload, view[0], view[1])
+    assert out.keys.data_ptr() == chunk[0].data_ptr() and out.start == 5 and not chunk.isnan().any()
     assert torch.equal(out.keys, fresh.keys) and torch.equal(out.values, fresh.values)
 
 
-def test_decode_into_buffers_of_the_wrong_shape_dtype_or_start_is_refused():
+def test_the_default_decode_into_copies_for_codecs_without_their_own():
+    state = correlated_state(10, start=2, seed=1)
+    codec = make_codec("int8")
+    keys, values = torch.empty_like(state.keys), torch.empty_like(state.values)
+    out = codec.decode_into(codec.encode(state), keys, values)
+    fresh = codec.decode(codec.encode(state))
+    assert out.keys is keys and out.start == fresh.start
+    assert torch.equal(keys, fresh.keys) and torch.equal(values, fresh.values)
+    with pytest.raises(PayloadError, match="tokens"):
+        codec.decode_into(codec.encode(state), keys[:, :, :9], values[:, :, :9])
+
+
+def test_decode_into_buffers_of_another_token_count_or_shape_is_refused():
     space, decoder = _pair()
     codec = ScdCodec(space, decoder)
     payload = codec.encode(correlated_state(12, start=0, seed=3))
     shape = (LAYOUT.num_layers, LAYOUT.kv_heads, 12, LAYOUT.head_dim)
-    with pytest.raises(ValueError, match="decodes to"):
-        codec.decode(payload, out=KVState(torch.empty(shape[:2] + (11, shape[3])), torch.empty(shape[:2] + (11, 8))))
-    with pytest.raises(ValueError, match="decodes to"):
-        codec.decode(payload, out=KVState(torch.empty(shape, dtype=torch.float64), torch.empty(shape,
-                                                                                               dtype=torch.float64)))
-    with pytest.raises(ValueError, match="starts at"):
-        codec.decode(payload, out=KVState(torch.empty(shape), torch.empty(shape), start=5))
+    short = (LAYOUT.num_layers, LAYOUT.kv_heads, 11, LAYOUT.head_dim)
+    with pytest.raises(PayloadError, match="decodes to 12 tokens"):  # the payload disagrees with its header
+        codec.decode_into(payload, torch.empty(short), torch.empty(short))
+    with pytest.raises(ValueError, match="cannot take"):
+        codec.decode_into(payload, torch.empty(shape[:3] + (4,)), torch.empty(shape[:3] + (4,)))
+    with pytest.raises(ValueError, match="share"):
+        codec.decode_into(payload, torch.empty(shape), torch.empty(shape, dtype=torch.float64))

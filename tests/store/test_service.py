@@ -107,3 +107,29 @@ def test_identity_decoder_roundtrip_is_close(store, bundle):
     keys = torch.cat([s.keys for s in got], dim=2)
     assert float((keys - state.keys).norm() / state.keys.norm()) < 0.1
     assert isinstance(service.binding("consumer-a").codec.decoder, PairDecoder)
+
+
+def test_chunks_decode_into_engine_buffers_and_a_refused_chunk_ends_the_run(store, bundle):
+    service = KVService(store, [bundle])
+    _, parts = chunks()
+    service.put(PRODUCER, HASHES, parts)
+    fresh = service.get("consumer-a", HASHES)
+    # one preallocated prefix buffer, [layers, heads, 3 chunks x 8 tokens, dim]: chunk i decodes into its slice
+    keys = torch.full((2, 2, 24, 8), float("nan"))
+    values = torch.full_like(keys, float("nan"))
+    asked = []
+
+    def into(i, tokens):
+        asked.append((i, tokens))
+        return keys[:, :, 8 * i:8 * i + tokens], values[:, :, 8 * i:8 * i + tokens]
+
+    got = service.get("consumer-a", HASHES, into=into)
+    assert asked == [(0, 8), (1, 8), (2, 8)] and not keys.isnan().any()
+    assert torch.equal(keys, torch.cat([s.keys for s in fresh], 2))
+    assert torch.equal(values, torch.cat([s.values for s in fresh], 2))
+    assert [s.start for s in got] == [0, 8, 16] and got[1].keys.data_ptr() == keys[:, :, 8:].data_ptr()
+    # a caller out of room ends the run; buffers of the wrong token count are a refused chunk (counted)
+    assert len(service.get("consumer-a", HASHES, into=lambda i, n: None if i == 1 else into(i, n))) == 1
+    before = store.stats.value("corrupt_blobs")
+    assert service.get("consumer-a", HASHES, into=lambda i, n: (keys[:, :, :n - 1], values[:, :, :n - 1])) == []
+    assert store.stats.value("corrupt_blobs") == before + 1
