@@ -9,6 +9,7 @@ import torch
 
 from integration_tests.lmcache_engines import make_engine, plugin_config, scd_backend, write_store_yaml
 from scd_store.adapters.engine_settings import SettingsError
+from scd_store.adapters.lmcache.layout import kv_2ltd_views
 from scd_store.adapters.lmcache.plugin import ScdStoragePlugin
 from scd_store.codecs.kv_state import KVState
 from scd_store.codecs.scd.bundle import load_pair, load_space
@@ -39,16 +40,20 @@ def producer_kv() -> torch.Tensor:
 
 
 def expected_consumer_kv(bundle, consumer: str, kv: torch.Tensor) -> torch.Tensor:
-    """scd-store's own decode of the producer's chunks for ``consumer``, in LMCache's layout and dtype."""
+    """scd-store's own decode of the producer's chunks for ``consumer``, straight into chunk buffers in
+    LMCache's layout and dtype (as the plugin decodes; close to the fp32 decode, tests/codecs)."""
     space = load_space(bundle)
     codec = ScdCodec(space, load_pair(bundle, consumer, space))
     out = torch.zeros_like(kv)
     for start in range(0, TOKENS, CHUNK):
         end = min(start + CHUNK, TOKENS)
         chunk = kv[:, :, start:end].float().view(2, LAYOUT.num_layers, end - start, HEADS, DIM).permute(0, 1, 3, 2, 4)
-        state = codec.decode(codec.encode(KVState(chunk[0].contiguous(), chunk[1].contiguous(), start=start)))
-        out[0, :, start:end] = state.keys.permute(0, 2, 1, 3).reshape(LAYOUT.num_layers, end - start, -1).half()
-        out[1, :, start:end] = state.values.permute(0, 2, 1, 3).reshape(LAYOUT.num_layers, end - start, -1).half()
+        payload = codec.encode(KVState(chunk[0].contiguous(), chunk[1].contiguous(), start=start))
+        buffer = torch.empty(2, LAYOUT.num_layers, end - start, HEADS * DIM, dtype=kv.dtype)
+        codec.decode_into(payload, *kv_2ltd_views(buffer, HEADS))
+        fp32 = codec.decode(payload)
+        assert torch.allclose(buffer[0].float(), fp32.keys.permute(0, 2, 1, 3).reshape(buffer[0].shape), atol=2e-2)
+        out[:, :, start:end] = buffer
     return out
 
 

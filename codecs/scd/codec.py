@@ -47,7 +47,8 @@ class ScdCodec(Codec):
     Decoding is a batched matmul over layers and tensors (integer codes in, consumer features
     out, only the components that carry bits), then one pass that moves heads and rotates keys
     straight into the output cache tensors; on a CPU a few layers at a time, so each step's codes
-    and features stay in cache, on an accelerator all layers at once.
+    and features stay in cache, on an accelerator all layers at once. ``matmul``: the products'
+    dtype (:func:`matmul_dtype`; ``"auto"`` is bf16 on CPUs with AMX tiles, on centred codes).
     """
 
     codec_id = CODEC_ID
@@ -67,7 +68,7 @@ class ScdCodec(Codec):
         self.decoder = decoder
         self.matmul = matmul
         self._rope = RopeTable(space.layout.head_dim, space.layout.rope_theta)
-        self._matrices: dict[tuple[str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._matrices: dict[tuple, tuple[torch.Tensor, ...]] = {}  # folded (and centred) matrices per device
         self._patches: dict[str, dict] = {}
         # REUSE decodes on CUDA are launch-bound at serving lengths: replay them as CUDA graphs
         reuse_only = decoder is not None and not decoder.patches and space.hidden is None
@@ -134,7 +135,8 @@ class ScdCodec(Codec):
     @torch.no_grad()
     def decode_into(self, payload: bytes | torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> KVState:
         """:meth:`decode` written straight into an engine's buffers (any strides; no copy, and no fresh
-        output pages: on a CPU those cost a long prefix more than the decode's maths)."""
+        output pages: on a CPU those cost a long prefix more than the decode's maths). On CUDA this
+        runs eagerly (CUDA graphs own their output buffers)."""
         self._require_decoder()
         codes = self.space.unpack(payload, device=keys.device)
         layout = self.space.layout
