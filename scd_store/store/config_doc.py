@@ -42,6 +42,9 @@ ENV = [
     ("SCD_STORE_TIERS", "comma-separated tier kinds, e.g. `cpu,redis`"),
     ("SCD_STORE_REDIS_URL", "URL of the Redis tier (adds one when absent)"),
     ("SCD_STORE_<KIND>_<FIELD>", "`MAX_BYTES`, `PATH`, `TTL_S`, `URL`, `QUEUE_SIZE`, `MAX_VALUE_BYTES` of a tier"),
+    ("SCD_STORE_DECODE_MATMUL", "`float32` or `bfloat16`: the SCD decode's products where "
+                                "`ScdCodec(matmul=\"auto\")` (the default) would choose (bf16 on CPUs with AMX "
+                                "tiles, fp32 elsewhere; docs/scd.md)"),
     ("SCD_STORE_<FIELD>", "`CHUNK_SIZE`, `OP_TIMEOUT_S`, `PUT_TIMEOUT_S`, `REGISTRY_URL`, `REGISTRY_PATH`, "
                           "`STATS_REDIS_URL`, `METRICS_PORT`, `RAW_KV_BYTES_PER_TOKEN`"),
 ]
