@@ -79,6 +79,8 @@ def _calibrate(args: argparse.Namespace) -> int:
         base = replace(base, shortest_prefix=args.shortest_prefix)
     if args.prefix_tokens:
         base = replace(base, prefix_tokens=args.prefix_tokens)
+    if args.continuation_tokens:
+        base = replace(base, continuation_tokens=args.continuation_tokens)
     if args.splits:
         base = replace(base, splits=tuple(args.splits.split(",")))
     print(json.dumps(calibrate(args.producer, args.consumer, args.out, budget=args.budget or [base.budget],
@@ -250,6 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --allocation variance: weight of key components against values (default 4)")
     cal.add_argument("--prefix-tokens", type=int, default=None,
                      help="prefix length of calibration windows (default 448; 32 continuation tokens follow)")
+    cal.add_argument("--continuation-tokens", type=int, default=None,
+                     help="scored tokens after each cut in distillation (default 32)")
     cal.add_argument("--shortest-prefix", type=float, default=None,
                      help="distillation cuts each prefix at a random length from this fraction of it to all of it "
                           "(default 0.5; 1.0 = always the whole prefix)")

@@ -41,7 +41,7 @@ def state(tokens: int, start: int, seed: int) -> KVState:
 def compare(device: str, graphs: bool) -> None:
     space, decoder = space_and_decoder()
     fused = ScdCodec(space, decoder, cuda_graphs=graphs, fused_kernel=True)
-    plain = ScdCodec(space, decoder, cuda_graphs=False, fused_kernel=False)
+    plain = ScdCodec(space, decoder, cuda_graphs=False, fused_kernel=False, matmul="float32")  # the kernel: fp32
     for start, tokens in ((0, 70), (1, 130), (40, 64), (7, 5)):
         payload = fused.encode(state(tokens, start, seed=start))
         want = plain.decode(payload, device=device)
