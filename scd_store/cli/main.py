@@ -251,9 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--key-weight", type=float, default=None,
                      help="with --allocation variance: weight of key components against values (default 4)")
     cal.add_argument("--prefix-tokens", type=int, default=None,
-                     help="prefix length of calibration windows (default 448; 32 continuation tokens follow)")
+                     help="prefix length of calibration windows (default 448; --continuation-tokens follow)")
     cal.add_argument("--continuation-tokens", type=int, default=None,
-                     help="scored tokens after each cut in distillation (default 32)")
+                     help="scored tokens after each cut in distillation (default 64)")
     cal.add_argument("--shortest-prefix", type=float, default=None,
                      help="distillation cuts each prefix at a random length from this fraction of it to all of it "
                           "(default 0.5; 1.0 = always the whole prefix)")
