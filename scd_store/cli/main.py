@@ -108,7 +108,8 @@ def _bench_decode(args: argparse.Namespace) -> int:
         producer = load_model(catalog.PRODUCER, device=args.device)
         loaded = load_model(args.consumer, device=args.device)
         codec, consumer = load_scd_codec(args.bundle, producer, loaded), loaded.model.to(getattr(torch, args.dtype))
-    report = json.dumps(run_decode_bench(config, codec, consumer), indent=2)
+    allocator = getattr(args, "allocator", "not set")
+    report = json.dumps({**run_decode_bench(config, codec, consumer), "allocator": allocator}, indent=2)
     print(report)
     if args.json:
         args.json.write_text(report + "\n")
@@ -282,7 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from scd_store.cli.allocator import keep_freed_blocks
     from scd_store.models.prepare import ModelNotPrepared
+
+    args.allocator = keep_freed_blocks()
 
     try:
         return args.func(args)

@@ -45,6 +45,8 @@ ENV = [
     ("SCD_STORE_DECODE_MATMUL", "`float32` or `bfloat16`: the SCD decode's products where "
                                 "`ScdCodec(matmul=\"auto\")` (the default) would choose (bf16 on CPUs with AMX "
                                 "tiles, fp32 elsewhere; docs/scd.md)"),
+    ("SCD_STORE_GLIBC_MMAP", "`1` keeps glibc's mmap of large blocks in the `scd-store` process (by default it "
+                             "reuses freed blocks: `mallopt(M_MMAP_MAX, 0)`, see docs/scd.md)"),
     ("SCD_STORE_<FIELD>", "`CHUNK_SIZE`, `OP_TIMEOUT_S`, `PUT_TIMEOUT_S`, `REGISTRY_URL`, `REGISTRY_PATH`, "
                           "`STATS_REDIS_URL`, `METRICS_PORT`, `RAW_KV_BYTES_PER_TOKEN`"),
 ]

@@ -1,0 +1,39 @@
+"""The CLI process's allocator setting: keep freed large blocks for reuse (glibc).
+
+glibc serves blocks over its mmap threshold (at most 32 MiB) with fresh ``mmap`` pages and unmaps
+them on free, so every 2,048-token decode's 47 MB key and value tensors fault in and zero ~23k new
+pages: ~16 ms of a ~49 ms decode on 2 cores (docs/scd.md, session 10). ``mallopt(M_MMAP_MAX, 0)``
+serves them from the heap instead, and ``M_TRIM_THRESHOLD`` keeps up to 1 GiB of freed heap
+mapped, so freed blocks are reused, as CPU serving stacks get from jemalloc or tcmalloc. Only the ``scd-store`` process does this; an engine embedding scd-store keeps
+its own allocator (``MALLOC_MMAP_MAX_=0`` in its environment has the same effect with glibc).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+
+M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters: free heap top kept before returning it to the system,
+M_MMAP_MAX = -4  # and how many blocks may be served by mmap
+KEEP_BYTES = 1 << 30  # up to 1 GiB of freed heap stays mapped for reuse
+KEEP_DEFAULT = "SCD_STORE_GLIBC_MMAP"  # "1": leave glibc's default
+
+
+def keep_freed_blocks() -> str:
+    """Apply the setting where the C library is glibc and ``SCD_STORE_GLIBC_MMAP`` is not ``1``;
+    returns what the process's allocator does now (a bench report records it)."""
+    if os.environ.get(KEEP_DEFAULT) == "1":
+        return "glibc default (SCD_STORE_GLIBC_MMAP=1)"
+    name = ctypes.util.find_library("c")
+    if not name:
+        return "system default"
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt, version = libc.mallopt, libc.gnu_get_libc_version
+    except (OSError, AttributeError):
+        return "system default (not glibc)"
+    version.restype = ctypes.c_char_p
+    if mallopt(M_MMAP_MAX, 0) != 1 or mallopt(M_TRIM_THRESHOLD, KEEP_BYTES) != 1:
+        return f"glibc {version().decode()} default (mallopt refused)"
+    return f"glibc {version().decode()}, large blocks reused (mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=1 GiB)"
