@@ -62,10 +62,10 @@ class CalibrationConfig:
     distill_windows: int = 48
     # None: as many steps as fit a pair's calibration into time_budget_s (measured on the first steps, rounded
     # down to a multiple of 100, within min_steps..max_steps); quality grows with steps (docs/scd.md: Python
-    # +3.57% at 300, +2.92% at 1,000), and what fits depends on the machine (1,000: ~8 min on 2 AMX cores,
-    # ~22 on 2 AVX2 ones)
+    # +3.57% at 300, +2.92% at 1,000), and what fits depends on the machine (a step ~0.55 s on 2 AMX cores,
+    # ~1.5 s estimated on 2 AVX2 ones)
     distill_steps: int | None = None
-    min_steps: int = 300
+    min_steps: int = 100  # a floor only: the budget holds on slow cores too (~200 of 64 tokens fit on 2 AVX2 ones)
     max_steps: int = 1000
     time_budget_s: float = 540.0
     batch_size: int = 2

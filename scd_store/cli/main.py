@@ -242,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "repeat for a sweep")
     cal.add_argument("--steps", type=int, default=None,
                      help="distillation steps per consumer (default: as many as fit a pair's calibration into 9 "
-                          "minutes, measured on the first steps: 300..1000 in hundreds)")
+                          "minutes, measured on the first steps: 100..1000 in hundreds)")
     cal.add_argument("--windows", type=int, default=None, help="distillation windows per consumer")
     cal.add_argument("--splits", help="comma-separated corpus splits for calibration text (default: calib; "
                                       "never eval)")

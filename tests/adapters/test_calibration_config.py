@@ -46,11 +46,12 @@ def test_time_budgeted_step_counts_round_down_within_their_bounds():
     from scd_store.adapters.transformers.calibrate import planned_steps
 
     config = CalibrationConfig()
-    assert config.distill_steps is None and (config.min_steps, config.max_steps) == (300, 1000)
+    assert config.distill_steps is None and (config.min_steps, config.max_steps) == (100, 1000)
     assert planned_steps(config, 20, 0.4, 400.0) == 1000  # 20 + 1,000 fit: capped
     assert planned_steps(config, 20, 0.5, 300.0) == 600  # 620 fit
-    assert planned_steps(config, 20, 1.2, 300.0) == 300  # 270 fit: never fewer than min_steps
-    assert planned_steps(config, 20, 1.0, -5.0) == 300  # already past the budget
+    assert planned_steps(config, 20, 1.2, 300.0) == 200  # 270 fit
+    assert planned_steps(config, 20, 1.5, 100.0) == 100  # 86 fit: never fewer than min_steps
+    assert planned_steps(config, 20, 1.0, -5.0) == 100  # already past the budget
     with pytest.raises(ValueError, match="distill_steps"):
         CalibrationConfig(distill_steps=-1)
     with pytest.raises(ValueError, match="min_steps"):
