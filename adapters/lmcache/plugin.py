@@ -178,8 +178,13 @@ class ScdStoragePlugin(StoragePluginInterface):
             allocated.append(obj)
             return kv_2ltd_views(obj.tensor, heads)
 
-        states = self.service.get(keys[0].model_name, [chunk_hash_bytes(k.chunk_hash) for k in keys],
-                                  into=chunk_buffers)
+        try:
+            states = self.service.get(keys[0].model_name, [chunk_hash_bytes(k.chunk_hash) for k in keys],
+                                      into=chunk_buffers)
+        except BaseException:
+            for obj in allocated:  # nothing handed out: the memory goes back before the error does
+                obj.ref_count_down()
+            raise
         for i, obj in enumerate(allocated):
             if i < len(states):
                 out[i] = obj
