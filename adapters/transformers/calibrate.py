@@ -50,7 +50,7 @@ class CalibrationConfig:
     sink_tokens: int = 4
     basis_windows: int = 24  # per corpus
     # serving-length prefixes: each step trains the maps on ~444 coded tokens for little more than the
-    # cost of 192 (the continuation dominates); 300 steps x 48 windows is one pair in ~9 minutes on 2 cores
+    # cost of 192 (the continuation dominates)
     prefix_tokens: int = 448
     # scored tokens after each cut: 64, as many as the quality harness scores (32 gave Shakespeare top-1 0.894 and
     # Python +2.92%; 64 gives 0.901 and +2.64%, each step ~1.4x dearer: docs/scd.md session 10)

@@ -212,16 +212,16 @@ class ScdCodec(Codec):
             n, groups = 2 * (last - first), slice(2 * first, 2 * last)
             index, step_offset, step_matrix = rows[groups].flatten(), offset[groups], matrix[groups]
             step_keys, step_values = keys[first:last, :, sinks:], values[first:last, :, sinks:]
+            step_centres = centres[2 * first * active:2 * last * active] if centres is not None else None
             for lo in range(0, coded, span):
                 hi = min(coded, lo + span)
                 t = hi - lo
                 size = n * active * t
                 q = torch.index_select(codes.sorted_codes[:, lo:hi], 0, index, out=gathered[:size].view(n * active, t))
-                if centres is None:
+                if step_centres is None:
                     q = as_float[:size].view(n, active, t).copy_(q.view(n, active, t))
                 else:
-                    rows_of_step = slice(2 * first * active, 2 * last * active)
-                    q = centred_codes(q, centres[rows_of_step], as_float[:size].view(n * active, t)).view(n, active, t)
+                    q = centred_codes(q, step_centres, as_float[:size].view(n * active, t)).view(n, active, t)
                 f = torch.baddbmm(step_offset, q.transpose(1, 2), step_matrix,
                                   out=features[:n * t * layout.width].view(n, t, layout.width))
                 for layer in patched.intersection(range(first, last)):
