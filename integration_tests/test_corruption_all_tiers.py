@@ -8,10 +8,10 @@ import random
 import pytest
 
 from integration_tests.redis_servers import RedisServer
+from scd_store.service import KVService
 from scd_store.store.keys import make_key
 from scd_store.store.registry import FileRegistry
-from scd_store.store.service import KVService
-from scd_store.store.store import TieredStore
+from scd_store.store.tiered import TieredStore
 from scd_store.store.tiers.cpu import CpuTier
 from scd_store.store.tiers.disk import DiskTier
 from scd_store.store.tiers.redis_tier import RedisTier

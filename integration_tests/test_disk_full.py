@@ -8,8 +8,9 @@ import time
 
 import pytest
 
+from integration_tests.store_ops import get_tokens, keys_of, put_tokens
 from scd_store.store.registry import FileRegistry, Pair, Space
-from scd_store.store.store import TieredStore
+from scd_store.store.tiered import TieredStore
 from scd_store.store.tiers.cpu import CpuTier
 from scd_store.store.tiers.disk import DiskTier
 
@@ -40,11 +41,11 @@ def test_full_disk_is_a_counted_miss_and_recovers(small_fs, tmp_path):
                         put_timeout_s=5.0)
     try:
         t0 = time.monotonic()
-        store.put("sp", TOKENS, PAYLOADS, producer="prod", codec_id="raw")
+        put_tokens(store, "sp", "prod", TOKENS, PAYLOADS)
         store.flush()
         assert time.monotonic() - t0 < 10  # nothing hangs
         assert store.stats.value("tier_errors", tier=disk.name) >= 1
-        chunks = store.get("pair", TOKENS, consumer="cons")  # served from the CPU tier regardless
+        chunks = get_tokens(store, "pair", "cons", TOKENS)  # served from the CPU tier regardless
         assert [bytes(c.payload) for c in chunks] == PAYLOADS
         leftovers = [p for p in (small_fs / "store").rglob("*") if p.name.endswith(".tmp")]
         assert leftovers == []  # no half-written files left behind
@@ -55,7 +56,7 @@ def test_full_disk_is_a_counted_miss_and_recovers(small_fs, tmp_path):
         os.unlink(filler)
         time.sleep(0.3)
         for _ in range(2):
-            store.put("sp", TOKENS, PAYLOADS, producer="prod", codec_id="raw")
+            put_tokens(store, "sp", "prod", TOKENS, PAYLOADS)
             store.flush()
             time.sleep(0.3)
         assert all(store._loop.run(disk.contains_many(store_keys(store)), timeout=5))
@@ -65,6 +66,4 @@ def test_full_disk_is_a_counted_miss_and_recovers(small_fs, tmp_path):
 
 
 def store_keys(store: TieredStore) -> list[str]:
-    from scd_store.store.keys import chunk_keys
-
-    return chunk_keys("sp", TOKENS, store.chunk_size)
+    return keys_of("sp", TOKENS, store.chunk_size)

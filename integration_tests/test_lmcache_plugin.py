@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from integration_tests.lmcache_engines import make_engine, plugin_config, scd_backend, write_store_yaml
-from scd_store.adapters.engine_settings import SettingsError
 from scd_store.adapters.lmcache.layout import kv_2ltd_views
 from scd_store.adapters.lmcache.plugin import ScdStoragePlugin
 from scd_store.codecs.kv_state import KVState
 from scd_store.codecs.scd.bundle import load_pair, load_space
 from scd_store.codecs.scd.codec import ScdCodec
+from scd_store.service import SettingsError
 from tests.bundles import LAYOUT, PRODUCER, correlated_state, write_tiny_bundle
 
 from lmcache.v1.cache_engine import LMCacheEngineBuilder  # isort: skip

@@ -9,9 +9,9 @@ import torch
 
 from scd_store.adapters.transformers import continue_with_prefix, prefill_capture
 from scd_store.bench.quality import QualityConfig, run_quality
-from scd_store.bench.windows import eval_windows
 from scd_store.models import catalog
 from scd_store.models.prepare import model_dir, read_manifest
+from scd_store.models.windows import eval_windows
 
 pytestmark = pytest.mark.slow
 

@@ -10,10 +10,11 @@ import time
 import redis
 
 from integration_tests.redis_servers import RedisServer
+from integration_tests.store_ops import keys_of
 from scd_store.bench.soak import CHUNK, PAIR, PRODUCER, SPACE, SoakConfig, payload_for, prefix_tokens
-from scd_store.store.keys import chunk_keys
+from scd_store.store.keys import chunk_hashes
 from scd_store.store.registry import FileRegistry, Pair, Space
-from scd_store.store.store import TieredStore
+from scd_store.store.tiered import TieredStore
 from scd_store.store.tiers.cpu import CpuTier
 from scd_store.store.tiers.redis_tier import RedisTier
 
@@ -33,24 +34,25 @@ def test_outage_mid_run(tmp_path):
     done = {"total": 0, "during_outage": 0, "errors": 0, "torn": 0, "max_latency": 0.0}
     lock = threading.Lock()
     stop = time.monotonic() + 5.0
+    producer, consumer = store.producer(SPACE, PRODUCER), store.consumer(PAIR, "soak-consumer")
 
     def client(seed: int) -> None:
         rng = random.Random(seed)
         while time.monotonic() < stop:
             tokens = prefix_tokens(rng.randrange(config.prefixes), 2)
+            hashes = chunk_hashes(tokens, CHUNK)
             t0 = time.monotonic()
             try:
                 if rng.random() < 0.4:
-                    keys = chunk_keys(SPACE, tokens, CHUNK)
-                    store.put(SPACE, tokens, [payload_for(k, config) for k in keys], producer=PRODUCER,
-                              codec_id="raw")
+                    payloads = [payload_for(k, config) for k in keys_of(SPACE, tokens, CHUNK)]
+                    producer.put(hashes, payloads, [CHUNK] * len(hashes), codec_id="raw")
                 elif rng.random() < 0.7:
-                    chunks = store.get(PAIR, tokens, consumer="soak-consumer")
+                    chunks = consumer.get(hashes)
                     torn = sum(bytes(c.payload) != payload_for(c.key, config) for c in chunks)
                     with lock:
                         done["torn"] += torn
                 else:
-                    store.contains_prefix(SPACE, tokens)
+                    consumer.contains(hashes)
             except Exception:
                 with lock:
                     done["errors"] += 1
@@ -78,12 +80,12 @@ def test_outage_mid_run(tmp_path):
         assert store.stats.value("tier_errors", tier="redis") >= 1
         deadline = time.monotonic() + 10
         while store.health["redis"].down and time.monotonic() < deadline:
-            store.contains_prefix(SPACE, prefix_tokens(0, 2))
+            consumer.contains(chunk_hashes(prefix_tokens(0, 2), CHUNK))
             time.sleep(0.05)
         assert not store.health["redis"].down  # recovered by itself
         tokens = prefix_tokens(999, 2)
-        keys = store.put(SPACE, tokens, [payload_for(k, config) for k in chunk_keys(SPACE, tokens, CHUNK)],
-                         producer=PRODUCER, codec_id="raw")
+        payloads = [payload_for(k, config) for k in keys_of(SPACE, tokens, CHUNK)]
+        keys = producer.put(chunk_hashes(tokens, CHUNK), payloads, [CHUNK, CHUNK], codec_id="raw")
         store.flush()
         assert redis.Redis(host="127.0.0.1", port=server.port).exists(*keys) == len(keys)
         print(f"outage figures: {done}")

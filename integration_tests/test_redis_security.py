@@ -7,9 +7,10 @@ import shutil
 import pytest
 
 from integration_tests.redis_servers import RedisServer, make_tls_certs
+from integration_tests.store_ops import get_tokens, put_tokens
 from scd_store.store.redis_url import RedisURLError, parse_redis_url
 from scd_store.store.registry import FileRegistry, Pair, RedisRegistry, Space
-from scd_store.store.store import TieredStore
+from scd_store.store.tiered import TieredStore
 from scd_store.store.tiers.redis_tier import RedisTier
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl makes the test certificates")
@@ -30,8 +31,8 @@ def registry(tmp_path) -> FileRegistry:
 def round_trip(url: str, tmp_path) -> list[bytes]:
     store = TieredStore([RedisTier(url)], registry(tmp_path), chunk_size=4, op_timeout_s=2.0)
     try:
-        store.put("sec", TOKENS, PAYLOADS, producer="producer-m", codec_id="raw")
-        return [bytes(c.payload) for c in store.get("sec-pair", TOKENS, consumer="consumer-m")]
+        put_tokens(store, "sec", "producer-m", TOKENS, PAYLOADS)
+        return [bytes(c.payload) for c in get_tokens(store, "sec-pair", "consumer-m", TOKENS)]
     finally:
         store.close()
 
@@ -40,8 +41,8 @@ def assert_misses_with_errors(url: str, tmp_path) -> None:
     """Every request against ``url`` completes as a miss, counted as tier errors."""
     store = TieredStore([RedisTier(url)], registry(tmp_path), chunk_size=4, op_timeout_s=1.0)
     try:
-        store.put("sec", TOKENS, PAYLOADS, producer="producer-m", codec_id="raw")
-        assert store.get("sec-pair", TOKENS, consumer="consumer-m") == []
+        put_tokens(store, "sec", "producer-m", TOKENS, PAYLOADS)
+        assert get_tokens(store, "sec-pair", "consumer-m", TOKENS) == []
         assert store.stats.value("tier_errors") >= 1
     finally:
         store.close()

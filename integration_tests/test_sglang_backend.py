@@ -14,11 +14,11 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, HiCacheSt
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 
 from integration_tests.lmcache_engines import write_store_yaml  # noqa: E402
-from scd_store.adapters.engine_settings import SettingsError  # noqa: E402
 from scd_store.adapters.sglang.backend import ScdHiCacheStorage  # noqa: E402
 from scd_store.adapters.sglang.pages import flat_page  # noqa: E402
 from scd_store.codecs.scd.bundle import load_pair, load_space  # noqa: E402
 from scd_store.codecs.scd.codec import ScdCodec  # noqa: E402
+from scd_store.service import SettingsError  # noqa: E402
 from tests.bundles import LAYOUT, PRODUCER, correlated_state, write_tiny_bundle  # noqa: E402
 
 PAGE, PAGES = 8, 4

@@ -11,10 +11,11 @@ import pytest
 import redis
 
 from integration_tests.redis_servers import RedisCluster, RedisServer
-from scd_store.store.keys import chunk_keys
+from integration_tests.store_ops import get_tokens, hit_tokens, keys_of, put_tokens
+from scd_store.store.keys import chunk_hashes
 from scd_store.store.registry import FileRegistry, NotRegistered, Pair, RedisRegistry, Space
 from scd_store.store.stats import REDIS_STATS_KEY, RedisStatsMirror, StoreStats, read_redis_stats
-from scd_store.store.store import TieredStore
+from scd_store.store.tiered import TieredStore
 from scd_store.store.tiers.cpu import CpuTier
 from scd_store.store.tiers.redis_tier import RedisTier
 
@@ -72,19 +73,19 @@ async def _tier_round_trip(tier: RedisTier, keys: list[str]) -> None:
 
 
 def test_standalone_round_trip(server, raw) -> None:
-    run(_tier_round_trip(RedisTier(server.url), chunk_keys("sp", list(range(40)), 4)))
+    run(_tier_round_trip(RedisTier(server.url), keys_of("sp", list(range(40)), 4)))
     assert raw.dbsize() == 9
 
 
 def test_cluster_round_trip_across_slots(cluster) -> None:
-    keys = chunk_keys("sp", list(range(200)), 4)  # 50 keys spread over the 3 masters
+    keys = keys_of("sp", list(range(200)), 4)  # 50 keys spread over the 3 masters
     run(_tier_round_trip(RedisTier(cluster.url), keys))
     sizes = [int(n.cli("DBSIZE").strip()) for n in cluster.nodes]
     assert sum(sizes) == len(keys) - 1 and all(s > 0 for s in sizes)  # one key was deleted
 
 
 def test_ttl(server, raw) -> None:
-    key = chunk_keys("sp", [1, 2, 3, 4], 4)[0]
+    key = keys_of("sp", [1, 2, 3, 4], 4)[0]
 
     async def go() -> bytes | None:
         tier = RedisTier(server.url, ttl_s=0.3)
@@ -101,7 +102,7 @@ def test_ttl(server, raw) -> None:
 
 
 def test_max_value_bytes_and_server_maxmemory(tmp_path) -> None:
-    keys = chunk_keys("sp", list(range(4 * 40)), 4)
+    keys = keys_of("sp", list(range(4 * 40)), 4)
     with RedisServer(tmp_path / "small") as srv:
         async def go() -> RedisTier:
             tier = RedisTier(srv.url, max_value_bytes=1 << 20, server_maxmemory=4 << 20)
@@ -126,17 +127,17 @@ def test_max_value_bytes_and_server_maxmemory(tmp_path) -> None:
 def test_store_over_redis_round_trip_and_corruption(server, raw, registry) -> None:
     store = TieredStore([CpuTier(1 << 20), RedisTier(server.url)], registry, chunk_size=4)
     try:
-        keys = store.put("sp", TOKENS, PAYLOADS, producer="producer-m", codec_id="raw")
+        keys = put_tokens(store, "sp", "producer-m", TOKENS, PAYLOADS)
         store.flush()
         assert raw.exists(*keys) == 8
         for key in keys:
             store.tiers[0].delete_now(key)
         raw.set(keys[5], b"SCDB but not really")
-        chunks = store.get("pair", TOKENS, consumer="consumer-m")
+        chunks = get_tokens(store, "pair", "consumer-m", TOKENS)
         assert [bytes(c.payload) for c in chunks] == PAYLOADS[:5] and {c.tier for c in chunks} == {"redis"}
         assert store.stats.value("corrupt_blobs", tier="redis") == 1
         assert not raw.exists(keys[5])  # evicted from Redis
-        assert store.contains_prefix("sp", TOKENS) == 20
+        assert hit_tokens(store, "pair", "consumer-m", TOKENS) == 20
         assert store.stats.value("bytes_saved", pair="pair") == 5 * 4 * 500 - sum(len(raw.get(k)) for k in keys[:5])
     finally:
         store.close()
@@ -145,12 +146,12 @@ def test_store_over_redis_round_trip_and_corruption(server, raw, registry) -> No
 def test_store_over_cluster(cluster, registry) -> None:
     store = TieredStore([CpuTier(1 << 20), RedisTier(cluster.url)], registry, chunk_size=4)
     try:
-        keys = store.put("sp", TOKENS, PAYLOADS, producer="producer-m", codec_id="raw")
+        keys = put_tokens(store, "sp", "producer-m", TOKENS, PAYLOADS)
         store.flush()
         for key in keys:
             store.tiers[0].delete_now(key)
-        assert store.lookup_prefix("sp", TOKENS).tiers == ("redis",) * 8
-        assert [bytes(c.payload) for c in store.get("pair", TOKENS, consumer="consumer-m")] == PAYLOADS
+        assert store.consumer("pair", "consumer-m").lookup(chunk_hashes(TOKENS, 4)).tiers == ("redis",) * 8
+        assert [bytes(c.payload) for c in get_tokens(store, "pair", "consumer-m", TOKENS)] == PAYLOADS
     finally:
         store.close()
 
@@ -162,7 +163,7 @@ def test_server_killed_then_restarted(tmp_path, registry, caplog) -> None:
                         registry, chunk_size=4, op_timeout_s=op_timeout, put_timeout_s=3.0, backoff_min_s=0.05,
                         backoff_max_s=0.2)
     try:
-        keys = store.put("sp", TOKENS, PAYLOADS, producer="producer-m", codec_id="raw")
+        keys = put_tokens(store, "sp", "producer-m", TOKENS, PAYLOADS)
         store.flush()
         for key in keys:
             store.tiers[0].delete_now(key)
@@ -170,24 +171,24 @@ def test_server_killed_then_restarted(tmp_path, registry, caplog) -> None:
         with caplog.at_level("WARNING", logger="scd_store.store"):
             for _ in range(6):
                 t0 = time.monotonic()
-                assert store.get("pair", TOKENS, consumer="consumer-m") == []
-                assert store.contains_prefix("sp", TOKENS) == 0
+                assert get_tokens(store, "pair", "consumer-m", TOKENS) == []
+                assert hit_tokens(store, "pair", "consumer-m", TOKENS) == 0
                 assert time.monotonic() - t0 < 2 * op_timeout + 5.0  # bounded by the op timeout, not hung
                 time.sleep(0.05)
-            store.put("sp", TOKENS, PAYLOADS[:2], producer="producer-m", codec_id="raw")  # top tier still works
-            assert store.contains_prefix("sp", TOKENS) == 8
+            put_tokens(store, "sp", "producer-m", TOKENS, PAYLOADS[:2])  # top tier still works
+            assert hit_tokens(store, "pair", "consumer-m", TOKENS) == 8
             assert store.stats.value("tier_errors", tier="redis") >= 1
             assert store.health["redis"].down
             srv.start()
             redis.Redis(host="127.0.0.1", port=srv.port).set("warm", "1")
             deadline = time.monotonic() + 15
             while store.health["redis"].down and time.monotonic() < deadline:
-                store.contains_prefix("sp", TOKENS)
+                hit_tokens(store, "pair", "consumer-m", TOKENS)
                 time.sleep(0.05)
         assert not store.health["redis"].down and store.health["redis"].incidents == 1
         assert sum("failed" in r.message for r in caplog.records) == 1
         assert sum("recovered" in r.message for r in caplog.records) == 1
-        store.put("sp", TOKENS, PAYLOADS, producer="producer-m", codec_id="raw")
+        put_tokens(store, "sp", "producer-m", TOKENS, PAYLOADS)
         store.flush()
         assert redis.Redis(host="127.0.0.1", port=srv.port).exists(*keys) == 8
     finally:
@@ -222,10 +223,10 @@ def test_stats_mirrored_in_redis(server, raw, registry) -> None:
                           stats=StoreStats(), stats_mirror=RedisStatsMirror(server.url), stats_flush_s=60)
               for _ in range(2)]
     try:
-        stores[0].put("sp", TOKENS, PAYLOADS, producer="producer-m", codec_id="raw")
+        put_tokens(stores[0], "sp", "producer-m", TOKENS, PAYLOADS)
         stores[0].flush()
         for st in stores:
-            assert len(st.get("pair", TOKENS, consumer="consumer-m")) == 8
+            assert len(get_tokens(st, "pair", "consumer-m", TOKENS)) == 8
             st.flush_stats()
     finally:
         for st in stores:

@@ -28,16 +28,16 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
-from scd_store.adapters.engine_settings import EngineSettings, SettingsError, acquire_service, release_service
 from scd_store.adapters.lmcache.layout import chunk_hash_bytes, kv_2ltd_views, state_from_kv_2ltd
 from scd_store.codecs.kv_state import KVState
+from scd_store.service import EngineSettings, SettingsError, acquire_service, release_service
 
 log = logging.getLogger("scd_store.adapters.lmcache")
 SETTINGS_PREFIX = "scd."
 
 
 class ScdStoragePlugin(StoragePluginInterface):
-    """LMCache backend over scd-store's :class:`~scd_store.store.service.KVService`."""
+    """LMCache backend over scd-store's :class:`~scd_store.service.KVService`."""
 
     def __init__(self, dst_device: str = "cpu", config: Any = None, metadata: Any = None,
                  local_cpu_backend: Any = None, loop: Any = None) -> None:

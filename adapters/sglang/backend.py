@@ -21,16 +21,16 @@ from typing import Any
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
-from scd_store.adapters.engine_settings import EngineSettings, SettingsError, acquire_service, release_service
 from scd_store.adapters.sglang.pages import LAYOUTS, flat_page, page_hash_bytes, read_page, state_from_flat, write_page
 from scd_store.codecs.kv_state import KVState
+from scd_store.service import EngineSettings, SettingsError, acquire_service, release_service
 
 log = logging.getLogger("scd_store.adapters.sglang")
 SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
 
 
 class ScdHiCacheStorage(HiCacheStorage):
-    """HiCache storage over scd-store's :class:`~scd_store.store.service.KVService`."""
+    """HiCache storage over scd-store's :class:`~scd_store.service.KVService`."""
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None) -> None:
         try:

@@ -19,11 +19,11 @@ from scd_store.adapters.transformers import LoadedModel, continue_with_prefix, l
 from scd_store.adapters.transformers.droidspeak import DroidSpeakCodec, select_group
 from scd_store.bench.metrics import ContinuationScore
 from scd_store.bench.pareto import plot_pareto
-from scd_store.bench.windows import eval_windows
 from scd_store.codecs import make_codec
 from scd_store.codecs.scd.bundle import load_pair, load_space
 from scd_store.codecs.scd.codec import ScdCodec
 from scd_store.models import catalog
+from scd_store.models.windows import eval_windows
 
 BASELINE_METHODS = ("oracle", "none", "raw", "int8", "int4", "droidspeak")
 SCD_METHOD = "scd"

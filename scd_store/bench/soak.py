@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from scd_store.bench.fuzz import fuzz_all
-from scd_store.store.keys import chunk_keys
+from scd_store.store.keys import chunk_hashes, hash_keys
 from scd_store.store.registry import Pair, RedisRegistry, Space
-from scd_store.store.store import TieredStore
+from scd_store.store.tiered import TieredStore
 from scd_store.store.tiers.cpu import CpuTier
 from scd_store.store.tiers.redis_tier import RedisTier
 
@@ -91,23 +91,23 @@ def client(store: TieredStore, config: SoakConfig, client_id: int, ops: int) -> 
     latency: dict[str, list[float]] = {"put": [], "get": [], "lookup": []}
     acked: list[str] = []
     torn = 0
+    producer, consumer = store.producer(SPACE, PRODUCER), store.consumer(PAIR, CONSUMER)
     for _ in range(ops):
         index = rng.randrange(config.prefixes)
-        tokens = prefix_tokens(index, config.chunks_per_prefix)
-        keys = chunk_keys(SPACE, tokens, CHUNK)
+        hashes = chunk_hashes(prefix_tokens(index, config.chunks_per_prefix), CHUNK)
         roll = rng.random()
         t0 = time.perf_counter()
         if roll < 0.4:
-            done = store.put(SPACE, tokens, [payload_for(k, config) for k in keys], producer=PRODUCER,
-                             codec_id="raw")
+            payloads = [payload_for(k, config) for k in hash_keys(SPACE, hashes)]
+            done = producer.put(hashes, payloads, [CHUNK] * len(hashes), codec_id="raw")
             latency["put"].append(time.perf_counter() - t0)
             acked.extend(done)
         elif roll < 0.8:
-            chunks = store.get(PAIR, tokens, consumer=CONSUMER)
+            chunks = consumer.get(hashes)
             latency["get"].append(time.perf_counter() - t0)
             torn += sum(bytes(c.payload) != payload_for(c.key, config) for c in chunks)
         else:
-            store.contains_prefix(SPACE, tokens, pair=PAIR)
+            consumer.contains(hashes)
             latency["lookup"].append(time.perf_counter() - t0)
     return {"latency": latency, "acked": acked, "torn": torn}
 

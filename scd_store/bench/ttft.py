@@ -30,13 +30,14 @@ from scd_store.adapters.transformers.droidspeak import DroidSpeakCodec, LayerGro
 from scd_store.adapters.transformers.inject import build_cache
 from scd_store.adapters.transformers.loading import load_model
 from scd_store.bench.decode import timed_median
-from scd_store.bench.windows import eval_windows
 from scd_store.codecs.base import Codec
 from scd_store.codecs.kv_state import KVState
 from scd_store.codecs.registry import make_codec
 from scd_store.models import catalog
+from scd_store.models.windows import eval_windows
+from scd_store.store.keys import chunk_hashes
 from scd_store.store.registry import FileRegistry, Pair, Space
-from scd_store.store.store import TieredStore
+from scd_store.store.tiered import TieredStore
 from scd_store.store.tiers.cpu import CpuTier
 
 LINKS_GBIT = (1.0, 10.0, 100.0)
@@ -108,10 +109,10 @@ def store_get_s(payload: bytes, chunk_blobs: int, repeats: int) -> float:
             n = max(1, chunk_blobs)
             step = -(-len(payload) // n)
             parts = [payload[i * step:(i + 1) * step] for i in range(n)]
-            tokens = list(range(n))
-            store.put("ttft", tokens, parts, producer="p", codec_id="bench")
+            hashes = chunk_hashes(list(range(n)), 1)
+            store.producer("ttft", "p").put(hashes, parts, [1] * n, codec_id="bench")
             view = store.consumer("ttft-pair", "c")
-            return timed_median(lambda: view.get(tokens), repeats, "cpu")
+            return timed_median(lambda: view.get(hashes), repeats, "cpu")
         finally:
             store.close()
 

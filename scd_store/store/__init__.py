@@ -1,10 +1,12 @@
-"""The tiered store: keys, code blobs, tiers (GPU / CPU / disk / Redis), registry, stats.
+"""The tiered store: bytes by key. Chunk keys, code blobs, tiers (GPU / CPU / disk / Redis), the
+read path, the write-behind, producer / consumer views, registry, stats and transfer.
 
-Data flows one way: this package never imports adapters, models, bench or cli.
+It knows no codec: payloads are opaque bytes. Only the service, adapters, bench and cli import it
+(the import-linter contract in pyproject.toml).
 """
 
 from scd_store.store.blob import BlobError, BlobMeta, decode_blob, encode_blob
-from scd_store.store.keys import DEFAULT_CHUNK_SIZE, KeyError_, chunk_hashes, chunk_keys, make_key, parse_key
+from scd_store.store.keys import DEFAULT_CHUNK_SIZE, KeyError_, chunk_hashes, hash_keys, make_key, parse_key
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
@@ -12,7 +14,7 @@ __all__ = [
     "BlobMeta",
     "KeyError_",
     "chunk_hashes",
-    "chunk_keys",
+    "hash_keys",
     "decode_blob",
     "encode_blob",
     "make_key",

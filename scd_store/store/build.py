@@ -8,7 +8,7 @@ from pathlib import Path
 from scd_store.store.config import StoreConfig, TierConfig, load_config
 from scd_store.store.registry import FileRegistry, RedisRegistry, Registry
 from scd_store.store.stats import RedisStatsMirror, StoreStats
-from scd_store.store.store import TieredStore
+from scd_store.store.tiered import TieredStore
 from scd_store.store.tiers.base import Tier
 
 log = logging.getLogger("scd_store.store")

@@ -1,7 +1,10 @@
-"""Chunk keys: ``scd:{space_id}:{chunk_hash_hex}`` over a chained, stable xxh3-128 hash.
+"""Chunk keys: ``scd:{space_id}:{chunk_hash_hex}``, one key scheme for every caller.
 
-``h_0 = ROOT``, ``h_i = xxh3_128(h_{i-1} || le_int64(tokens_i))``. Only whole chunks are keyed: a
-trailing partial chunk has no key. Python's ``hash`` is never used (it is salted per process).
+A key names a 16-byte chunk hash in a space. Engines bring their own chain of chunk hashes
+(LMCache's, SGLang's); everyone else turns tokens into hashes with :func:`chunk_hashes`, a
+chained, stable xxh3-128: ``h_0 = ROOT``, ``h_i = xxh3_128(h_{i-1} || le_int64(tokens_i))``. Only
+whole chunks are hashed: a trailing partial chunk has no key. Python's ``hash`` is never used (it
+is salted per process).
 """
 
 from __future__ import annotations
@@ -91,16 +94,17 @@ def make_key(space_id: str, chunk_hash: bytes | str) -> str:
     return f"{KEY_PREFIX}:{space_id}:{hex_}"
 
 
-def chunk_keys(space_id: str, tokens: Sequence[int] | np.ndarray, chunk_size: int = DEFAULT_CHUNK_SIZE) -> list[str]:
-    """Keys of every whole chunk of ``tokens`` in ``space_id``, in order."""
+def hash_keys(space_id: str, hashes: Sequence[bytes]) -> list[str]:
+    """Keys of chunk hashes (16 bytes each: :func:`chunk_hashes`, or an engine's own, e.g. LMCache's or
+    SGLang's) in ``space_id``, in order."""
     validate_space_id(space_id)
     prefix = f"{KEY_PREFIX}:{space_id}:"
-    return [prefix + h.hex() for h in chunk_hashes(tokens, chunk_size)]
-
-
-def hash_keys(space_id: str, hashes: Sequence[bytes]) -> list[str]:
-    """Keys of engine-computed chunk hashes (16 bytes each, e.g. LMCache's or SGLang's) in ``space_id``."""
-    return [make_key(space_id, h) for h in hashes]
+    keys = []
+    for h in hashes:
+        if not isinstance(h, bytes) or len(h) != 16:
+            raise KeyError_(f"chunk hash must be 16 bytes, got {h!r}")
+        keys.append(prefix + h.hex())
+    return keys
 
 
 def parse_key(key: str) -> tuple[str, str]:

@@ -3,10 +3,10 @@ from __future__ import annotations
 import asyncio
 import os
 
-from scd_store.store.keys import chunk_keys
+from scd_store.store.keys import chunk_hashes, hash_keys
 from scd_store.store.tiers.disk import DiskTier
 
-KEYS = chunk_keys("sp", list(range(40)), 4)
+KEYS = hash_keys("sp", chunk_hashes(list(range(40)), 4))
 
 
 def run(coro):

@@ -8,7 +8,7 @@ from scd_store.store.keys import (
     ROOT_HASH,
     KeyError_,
     chunk_hashes,
-    chunk_keys,
+    hash_keys,
     make_key,
     parse_key,
     validate_space_id,
@@ -35,14 +35,14 @@ def test_prefix_property_and_parent_dependence() -> None:
 
 def test_stable_across_input_types() -> None:
     tokens = [5, 1, 2, 3, 4, 0, 9, 8]
-    expected = chunk_keys("sp", tokens, 4)
-    assert chunk_keys("sp", np.array(tokens, dtype=np.int32), 4) == expected
-    assert chunk_keys("sp", tuple(tokens), 4) == expected
-    assert chunk_keys("sp", np.array(tokens, dtype=np.uint16), 4) == expected
+    expected = chunk_hashes(tokens, 4)
+    assert chunk_hashes(np.array(tokens, dtype=np.int32), 4) == expected
+    assert chunk_hashes(tuple(tokens), 4) == expected
+    assert chunk_hashes(np.array(tokens, dtype=np.uint16), 4) == expected
 
 
 def test_key_format_and_parse() -> None:
-    keys = chunk_keys("space.1", list(range(512)))
+    keys = hash_keys("space.1", chunk_hashes(list(range(512))))
     assert len(keys) == 2
     for key in keys:
         space, hex_ = parse_key(key)
@@ -53,7 +53,7 @@ def test_key_format_and_parse() -> None:
 @pytest.mark.parametrize("tokens", [[1, 2.5, 3, 4], ["a", "b"], [1, -1, 2, 3], [[1, 2], [3, 4]], "abcd", [2**70]])
 def test_bad_tokens(tokens) -> None:
     with pytest.raises(KeyError_):
-        chunk_keys("sp", tokens, 2)
+        chunk_hashes(tokens, 2)
 
 
 @pytest.mark.parametrize("space", ["", "a:b", "-x", "x" * 129, "a b", 5, None])
@@ -66,6 +66,12 @@ def test_bad_space_ids(space) -> None:
 def test_bad_keys(key) -> None:
     with pytest.raises(KeyError_):
         parse_key(key)
+
+
+@pytest.mark.parametrize("chunk_hash", [b"short", b"x" * 17, "00" * 16, None])
+def test_bad_chunk_hashes(chunk_hash) -> None:
+    with pytest.raises(KeyError_):
+        hash_keys("sp", [chunk_hash])
 
 
 def test_bad_chunk_size() -> None:

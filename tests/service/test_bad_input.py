@@ -7,12 +7,12 @@ import torch
 
 from scd_store.codecs.kv_state import KVState
 from scd_store.codecs.scd.bundle import BundleError, load_space
+from scd_store.service import KVService, ServiceError
 from scd_store.store.config import ConfigError, StoreConfig
-from scd_store.store.keys import KeyError_
+from scd_store.store.keys import KeyError_, chunk_hashes
 from scd_store.store.redis_url import RedisURLError, parse_redis_url
 from scd_store.store.registry import FileRegistry, NotAuthorized, NotRegistered
-from scd_store.store.service import KVService, ServiceError
-from scd_store.store.store import TieredStore
+from scd_store.store.tiered import TieredStore
 from scd_store.store.tiers.cpu import CpuTier
 from tests.bundles import PRODUCER, correlated_state, write_tiny_bundle
 
@@ -65,11 +65,13 @@ def test_tokens_unknown_pairs_and_writers(service):
     store = service.store
     for tokens, match in (([1, "2"], "ints"), ([[1, 2]], "ints"), ([-1, 2], ">= 0"), ("abc", "sequence of ints")):
         with pytest.raises(KeyError_, match=match):
-            store.put("tiny-space", tokens, [b"x"], producer=PRODUCER, codec_id="raw")
+            chunk_hashes(tokens, 8)
+    with pytest.raises(KeyError_, match="16 bytes"):
+        store.producer("tiny-space", PRODUCER).put([b"short"], [b"x"], [8], codec_id="raw")
     with pytest.raises(NotRegistered, match="nope"):
-        store.get("nope", list(range(8)), consumer="consumer-a")
+        store.consumer("nope", "consumer-a")
     with pytest.raises(NotAuthorized, match="may not write"):
-        store.put("tiny-space", list(range(8)), [b"x"], producer="consumer-a", codec_id="raw")
+        store.producer("tiny-space", "consumer-a")
     assert_nothing_stored(service)
 
 

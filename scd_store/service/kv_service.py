@@ -4,8 +4,7 @@ Engine adapters (LMCache, SGLang) see only this: a producer model's chunks are e
 code space and put under the engine's own chunk hashes; a registered consumer asking for the
 same hashes gets the producer's codes decoded into *its* KV. A model that is neither a space's
 producer nor a registered consumer is a clean miss. Bundles (see ``scd-store calibrate``) are
-registered in the store's registry when the service starts (idempotent; a conflicting record is
-an error).
+registered in the store's registry when the service starts (:mod:`scd_store.service.bundles`).
 """
 
 from __future__ import annotations
@@ -13,42 +12,21 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from scd_store.codecs.kv_state import KVState
-from scd_store.codecs.scd.bundle import load_pair, load_space, pair_names, read_space_manifest
-from scd_store.codecs.scd.codec import ScdCodec
-from scd_store.codecs.scd.space import CodeSpace
 from scd_store.codecs.tensor_pack import PayloadError
-from scd_store.store.registry import Pair, Space
-from scd_store.store.store import ConsumerView, ProducerView, TieredStore
+from scd_store.service.bindings import Binding, Bindings
+from scd_store.service.bundles import bind_bundle
+from scd_store.store.tiered import TieredStore
+from scd_store.store.views import ConsumerView, ProducerView
 
 # an engine's (keys, values) buffers for chunk i of n tokens, or None: see KVService.get
 Buffers = Callable[[int, int], tuple[torch.Tensor, torch.Tensor] | None]
 
 log = logging.getLogger("scd_store.service")
-
-
-class ServiceError(ValueError):
-    """A bad service configuration (unreadable bundle, a model bound twice)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Binding:
-    """What one engine model name is to scd-store: a space's producer or one of its consumers."""
-
-    model: str
-    role: str  # "producer" | "consumer"
-    space: CodeSpace
-    codec: ScdCodec
-    pair_id: str = ""
-
-
-def pair_id_for(space_id: str, consumer: str) -> str:
-    return f"{space_id}/{consumer}"
 
 
 class KVService:
@@ -63,52 +41,27 @@ class KVService:
     def __init__(self, store: TieredStore, bundles: Sequence[str | Path], *,
                  aliases: Mapping[str, str] | None = None, replace_registrations: bool = False) -> None:
         self.store = store
-        self.aliases = dict(aliases or {})
-        self._replace = replace_registrations
-        self._bindings: dict[str, Binding] = {}
+        self.bindings = Bindings(aliases)
         self._producers: dict[str, ProducerView] = {}
         self._consumers: dict[str, ConsumerView] = {}
         for bundle in bundles:
-            self._add_bundle(Path(bundle))
+            for binding in bind_bundle(Path(bundle), store.registry, chunk_size=store.chunk_size,
+                                       replace=replace_registrations):
+                self.bindings.add(binding)
+        store.forget_registry_cache()
 
-    # ----------------------------------------------------------------- set-up
-    def _bind(self, binding: Binding) -> None:
-        if binding.model in self._bindings:
-            other = self._bindings[binding.model]
-            raise ServiceError(f"model {binding.model!r} is bound twice: as {other.role} of space "
-                               f"{other.space.space_id!r} and as {binding.role} of {binding.space.space_id!r}")
-        self._bindings[binding.model] = binding
-
-    def _add_bundle(self, bundle: Path) -> None:
-        if not (bundle / "space.json").is_file():
-            raise ServiceError(f"{bundle} is not a calibration bundle (no space.json)")
-        manifest = read_space_manifest(bundle)
-        space = load_space(bundle)
-        producer = manifest.get("producer") or ""
-        if not producer:
-            raise ServiceError(f"{bundle}: the space manifest names no producer model")
-        record = Space(space.space_id, producer, space.producer_fingerprint or "unknown", space.fingerprint,
-                       codec_id=ScdCodec.codec_id, chunk_size=self.store.chunk_size,
-                       raw_kv_bytes_per_token=space.layout.fp16_bytes_per_token)
-        self.store.registry.register_space(record, replace=self._replace)
-        self._bind(Binding(producer, "producer", space, ScdCodec(space)))
-        for consumer in pair_names(bundle):
-            decoder = load_pair(bundle, consumer, space)
-            pair_id = pair_id_for(space.space_id, consumer)
-            self.store.registry.register_pair(Pair(pair_id, space.space_id, consumer,
-                                                   decoder.consumer_fingerprint or "unknown", decoder.fingerprint),
-                                              replace=self._replace)
-            self._bind(Binding(consumer, "consumer", space, ScdCodec(space, decoder), pair_id))
-        self.store.forget_registry_cache()
+    @property
+    def aliases(self) -> dict[str, str]:
+        return self.bindings.aliases
 
     # ----------------------------------------------------------------- lookups
     def binding(self, model: str) -> Binding | None:
         """The binding of an engine model name (after aliases), or None for a model scd-store does not serve."""
-        return self._bindings.get(self.aliases.get(model, model))
+        return self.bindings.get(model)
 
     def models(self) -> dict[str, str]:
         """Every bound model name and its role."""
-        return {name: b.role for name, b in sorted(self._bindings.items())}
+        return self.bindings.roles()
 
     def _producer(self, binding: Binding) -> ProducerView:
         view = self._producers.get(binding.model)
@@ -139,8 +92,7 @@ class KVService:
         t0 = time.perf_counter()
         payloads = [binding.codec.encode(state) for state in states]
         self.store.stats.observe("encode", time.perf_counter() - t0)
-        self._producer(binding).put_hashes(hashes, payloads, [s.num_tokens for s in states],
-                                           codec_id=binding.codec.codec_id)
+        self._producer(binding).put(hashes, payloads, [s.num_tokens for s in states], codec_id=binding.codec.codec_id)
         return len(payloads)
 
     def contains(self, model: str, hashes: Sequence[bytes]) -> int:
@@ -149,8 +101,8 @@ class KVService:
         if binding is None:
             return 0
         if binding.role == "producer":
-            return self._producer(binding).contains_hashes(hashes)
-        return self._consumer(binding).contains_hashes(hashes)
+            return self._producer(binding).contains(hashes)
+        return self._consumer(binding).contains(hashes)
 
     def get(self, model: str, hashes: Sequence[bytes], *, device: torch.device | str = "cpu",
             dtype: torch.dtype = torch.float32, into: Buffers | None = None) -> list[KVState]:
@@ -169,7 +121,7 @@ class KVService:
             self.store.stats.inc("refused_requests")
             log.info("scd-store: %r is not a registered consumer; miss", model)
             return []
-        chunks = self._consumer(binding).get_hashes(hashes)
+        chunks = self._consumer(binding).get(hashes)
         t0 = time.perf_counter()
         states: list[KVState] = []
         for i, chunk in enumerate(chunks):

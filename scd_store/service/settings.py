@@ -1,4 +1,4 @@
-"""What an engine adapter needs from its engine's config, and one shared :class:`KVService` per process.
+"""What an engine adapter needs from its engine's config: scd-store's settings, validated.
 
 Both the LMCache plugin and the SGLang backend read the same keys (LMCache: ``extra_config``
 ``scd.*``; SGLang: the ``--hicache-storage-backend-extra-config`` JSON without the prefix):
@@ -11,20 +11,16 @@ Both the LMCache plugin and the SGLang backend read the same keys (LMCache: ``ex
   chunks without one are not stored. ``batch``: when the engine gives none, a put batch is taken
   to start at position 0 (right only for engines that store whole prompts).
 
-Engines in one process that name the same store config and bundles share one store and service.
+Engines in one process that name the same store config and bundles share one store and service
+(:mod:`scd_store.service.shared`).
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-from scd_store.store.build import open_store
-from scd_store.store.config import load_config
-from scd_store.store.service import KVService
 
 POSITION_MODES = ("connector", "batch")
 
@@ -72,37 +68,3 @@ class EngineSettings:
             raise SettingsError(f"aliases must be a mapping of engine model name to bundle model name, got {aliases!r}")
         return cls(tuple(str(Path(b)) for b in bundles), ours.get("store_config"),
                    tuple(sorted((str(k), str(v)) for k, v in aliases.items())), str(ours.get("positions", "connector")))
-
-
-_lock = threading.Lock()
-_services: dict[tuple, tuple[KVService, int]] = {}
-
-
-def acquire_service(settings: EngineSettings) -> KVService:
-    """The process's service for these settings (opened on first use, reference counted)."""
-    key = (settings.store_config, settings.bundles, settings.aliases)
-    with _lock:
-        entry = _services.get(key)
-        if entry is None:
-            store = open_store(load_config(settings.store_config))
-            try:
-                service = KVService(store, settings.bundles, aliases=dict(settings.aliases))
-            except BaseException:
-                store.close()
-                raise
-            entry = (service, 0)
-        _services[key] = (entry[0], entry[1] + 1)
-        return entry[0]
-
-
-def release_service(service: KVService) -> None:
-    """Drop one reference; the last one closes the store (draining its write queues)."""
-    with _lock:
-        for key, (held, refs) in list(_services.items()):
-            if held is service:
-                if refs <= 1:
-                    del _services[key]
-                    service.store.close()
-                else:
-                    _services[key] = (held, refs - 1)
-                return

@@ -6,9 +6,9 @@ import torch
 from scd_store.codecs.scd.bundle import load_space
 from scd_store.codecs.scd.codec import ScdCodec
 from scd_store.codecs.scd.decoder import PairDecoder
+from scd_store.service import KVService, ServiceError
 from scd_store.store.registry import FileRegistry, RegistryError
-from scd_store.store.service import KVService, ServiceError
-from scd_store.store.store import TieredStore
+from scd_store.store.tiered import TieredStore
 from scd_store.store.tiers.cpu import CpuTier
 from tests.bundles import PRODUCER, correlated_state, write_tiny_bundle
 
@@ -82,8 +82,7 @@ def test_a_codec_refusal_ends_the_run_and_is_counted(store, bundle, tmp_path):
     write_tiny_bundle(other, consumers=("consumer-a",), budget=0.2)  # same ids, another space fingerprint
     bad = ScdCodec(load_space(other))
     # overwrite chunk 1 with a payload of another space under a valid blob header of this space
-    store._put_keys(store.registry.space("tiny-space"), [f"scd:tiny-space:{HASHES[1].hex()}"],
-                    [bad.encode(parts[1])], [8], codec_id=bad.codec_id)
+    store.producer("tiny-space", PRODUCER).put([HASHES[1]], [bad.encode(parts[1])], [8], codec_id=bad.codec_id)
     assert len(service.get("consumer-a", HASHES)) == 1
     assert store.stats.value("corrupt_blobs") == 1
 

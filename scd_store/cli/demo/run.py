@@ -20,19 +20,19 @@ from rich.markup import escape
 from rich.table import Table
 
 from scd_store.adapters.transformers import LoadedModel, load_model
-from scd_store.adapters.transformers.calibrate import CalibrationConfig
+from scd_store.adapters.transformers.calibration import CalibrationConfig
 from scd_store.adapters.transformers.capture import prefill_capture
 from scd_store.adapters.transformers.inject import PrefixBuffer, generate_greedy
 from scd_store.bench.ttft import first_token
+from scd_store.cli.demo.prompts import REQUESTS, SYSTEM_PROMPT
 from scd_store.codecs.kv_state import KVState
-from scd_store.demo.prompts import REQUESTS, SYSTEM_PROMPT
 from scd_store.models import catalog
 from scd_store.models.prepare import ModelNotPrepared
 from scd_store.paths import data_dir
+from scd_store.service import KVService
 from scd_store.store.build import open_store
 from scd_store.store.config import StoreConfig, TierConfig
 from scd_store.store.keys import chunk_hashes
-from scd_store.store.service import KVService
 
 DEMO_CHUNK = 256
 # ~3 min for both consumers on 2 AMX cores, ~7 on 2 AVX2 ones (32 scored tokens a step: the quick bundle)
@@ -83,7 +83,7 @@ def demo_bundle(config: DemoConfig, producer: LoadedModel, consumers: list[Loade
         return path
     console.print(f"[bold]No bundle yet: calibrating a quick shared code space for {len(consumers)} consumers "
                   f"into {path}[/bold] (once; a fuller one: `scd-store calibrate --consumer ... --out DIR`)")
-    from scd_store.adapters.transformers.calibrate_cli import calibrate
+    from scd_store.adapters.transformers.calibration import calibrate
 
     tmp = path.with_name(path.name + ".tmp")
     calibrate(producer.name, [c.name for c in consumers], tmp, **QUICK_CALIBRATION)

@@ -1,0 +1,61 @@
+"""What each engine model name is to scd-store: a space's producer, one of its consumers, or nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from scd_store.codecs.scd.codec import ScdCodec
+from scd_store.codecs.scd.space import CodeSpace
+
+ROLES = ("producer", "consumer")
+
+
+class ServiceError(ValueError):
+    """A bad service configuration (unreadable bundle, a model bound twice)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Binding:
+    """One engine model name bound to a space: as its producer, or as a consumer through ``pair_id``."""
+
+    model: str
+    role: str  # "producer" | "consumer"
+    space: CodeSpace
+    codec: ScdCodec
+    pair_id: str = ""
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ServiceError(f"role must be one of {ROLES}, got {self.role!r}")
+        if (self.role == "consumer") != bool(self.pair_id):
+            raise ServiceError(f"a consumer binding needs a pair id and a producer none ({self.model!r})")
+
+
+def pair_id_for(space_id: str, consumer: str) -> str:
+    """The registry's pair id of ``consumer`` in ``space_id``."""
+    return f"{space_id}/{consumer}"
+
+
+class Bindings:
+    """Engine model names to bindings; ``aliases`` maps an engine's name (a served-model name, a
+    checkpoint path) to the name the bundle knows the model by. A model is bound at most once."""
+
+    def __init__(self, aliases: Mapping[str, str] | None = None) -> None:
+        self.aliases = dict(aliases or {})
+        self._by_model: dict[str, Binding] = {}
+
+    def add(self, binding: Binding) -> None:
+        other = self._by_model.get(binding.model)
+        if other is not None:
+            raise ServiceError(f"model {binding.model!r} is bound twice: as {other.role} of space "
+                               f"{other.space.space_id!r} and as {binding.role} of {binding.space.space_id!r}")
+        self._by_model[binding.model] = binding
+
+    def get(self, model: str) -> Binding | None:
+        """The binding of an engine model name (after aliases), or None for a model scd-store does not serve."""
+        return self._by_model.get(self.aliases.get(model, model))
+
+    def roles(self) -> dict[str, str]:
+        """Every bound model name and its role."""
+        return {name: b.role for name, b in sorted(self._by_model.items())}

@@ -1,0 +1,214 @@
+"""The tiered store's lifecycle and faces: code blobs by key over an ordered list of tiers.
+
+Reads go through :class:`~scd_store.store.read_path.ReadPath` (walk, verify, promote); a put
+writes the top tier on the caller's thread and hands the blobs to the
+:class:`~scd_store.store.write_behind.WriteBehind` for every lower tier. Every tier call is
+bounded by ``op_timeout_s`` and gated by the tier's health (:class:`~scd_store.store.guard.TierGuard`):
+a failing tier is a miss, a ``tier_errors`` count and one log line per incident, and comes back
+by itself. Callers hold a :class:`ProducerView` or a :class:`ConsumerView`, granted by the registry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+
+from scd_store.store.blob import BlobMeta, Section, encode_blob
+from scd_store.store.guard import TierGuard
+from scd_store.store.keys import validate_chunk_size
+from scd_store.store.loop import LoopThread
+from scd_store.store.read_path import ReadPath
+from scd_store.store.registry import Pair, Registry, Space
+from scd_store.store.stats import RedisStatsMirror, StoreStats, write_snapshot_file
+from scd_store.store.tiers.base import LocalTier, Tier
+from scd_store.store.views import ConsumerView, ProducerView
+from scd_store.store.write_behind import WriteBehind, space_of
+
+log = logging.getLogger("scd_store.store")
+
+
+def _per_tier(value: int | Sequence[int], n: int) -> list[int]:
+    return [value] * n if isinstance(value, int) else list(value)
+
+
+class TieredStore:
+    """Code blobs over ``tiers`` (fastest first). Use as a context manager or call :meth:`close`."""
+
+    def __init__(self, tiers: Sequence[Tier], registry: Registry, *, chunk_size: int = 256,
+                 stats: StoreStats | None = None, op_timeout_s: float = 2.0, put_timeout_s: float = 30.0,
+                 queue_size: int | Sequence[int] = 256, writers: int | Sequence[int] = 2,
+                 backoff_min_s: float = 0.1, backoff_max_s: float = 5.0,
+                 stats_mirror: RedisStatsMirror | None = None, stats_flush_s: float = 1.0,
+                 snapshot_path: str | None = None) -> None:
+        if not tiers:
+            raise ValueError("the store needs at least one tier")
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tier names must be unique, got {names}")
+        self.tiers = list(tiers)
+        self.registry = registry
+        self.chunk_size = validate_chunk_size(chunk_size)
+        self.stats = stats if stats is not None else StoreStats()
+        self.op_timeout_s = op_timeout_s
+        self.put_timeout_s = put_timeout_s
+        self.guard = TierGuard(self.tiers, self.stats, op_timeout_s=op_timeout_s, backoff_min_s=backoff_min_s,
+                               backoff_max_s=backoff_max_s)
+        self.health = self.guard.health
+        n = len(self.tiers)
+        self.write_behind = WriteBehind(self.tiers[1:], self.guard, self.stats,
+                                        queue_sizes=_per_tier(queue_size, n)[1:], writers=_per_tier(writers, n)[1:],
+                                        put_timeout_s=put_timeout_s)
+        self._mirror = stats_mirror
+        self._stats_flush_s = stats_flush_s
+        self._snapshot_path = snapshot_path
+        self._mirror_task: asyncio.Task[None] | None = None
+        self._spaces: dict[tuple[str, str], Space] = {}
+        self._pairs: dict[tuple[str, str], tuple[Pair, Space]] = {}
+        for tier in self.tiers:
+            tier.set_evict_listener(self._on_evict)
+        self._loop = LoopThread()
+        self.read = ReadPath(self.tiers, self.guard, self.stats, self._loop, self.write_behind)
+        self._closed = False
+        try:
+            self._loop.run(self._start(), timeout=max(30.0, op_timeout_s))
+        except BaseException:
+            self._loop.stop()
+            raise
+
+    # ----------------------------------------------------------------- lifecycle
+    async def _start(self) -> None:
+        for tier in self.tiers:
+            try:
+                await asyncio.wait_for(tier.start(), self.op_timeout_s)
+            except Exception as exc:  # a tier that cannot start is down, not fatal
+                self.guard.failed(tier, exc)
+        await self.write_behind.start()
+        if self._mirror is not None:
+            self._mirror_task = asyncio.ensure_future(self._mirror_loop())
+
+    def close(self) -> None:
+        """Drain the write queues (up to ``put_timeout_s``), flush stats, stop the loop."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):
+            self.flush()
+        with contextlib.suppress(Exception):
+            self._loop.run(self._stop(), timeout=self.put_timeout_s)
+        self._loop.stop()
+        if self._mirror is not None:
+            with contextlib.suppress(Exception):
+                self._mirror.flush(self.stats)
+            self._mirror.close()
+        if self._snapshot_path:
+            with contextlib.suppress(OSError):
+                write_snapshot_file(self.stats, self._snapshot_path)
+
+    async def _stop(self) -> None:
+        if self._mirror_task is not None:
+            self._mirror_task.cancel()
+            await asyncio.gather(self._mirror_task, return_exceptions=True)
+        await self.write_behind.stop()
+        for tier in self.tiers:
+            with contextlib.suppress(Exception):
+                await tier.close()
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every queued write-through has reached its tier (or failed)."""
+        self._loop.run(self.write_behind.join(), timeout=timeout or self.put_timeout_s)
+
+    # ----------------------------------------------------------------- faces
+    def producer(self, space_id: str, producer_model_id: str) -> ProducerView:
+        """The write face of one producer into its own space (checked against the registry)."""
+        key = (space_id, producer_model_id)
+        space = self._spaces.get(key)
+        if space is None:
+            space = self.registry.authorize_write(space_id, producer_model_id)
+            self._spaces[key] = space
+        return ProducerView(self, space, producer_model_id)
+
+    def consumer(self, pair_id: str, consumer_model_id: str) -> ConsumerView:
+        """The read face of one registered consumer; raises ``NotRegistered`` otherwise."""
+        key = (pair_id, consumer_model_id)
+        resolved = self._pairs.get(key)
+        if resolved is None:
+            resolved = self.registry.resolve(pair_id, consumer_model_id)
+            self._pairs[key] = resolved
+        return ConsumerView(self, *resolved)
+
+    def forget_registry_cache(self) -> None:
+        """Read the registry afresh on the next :meth:`producer` / :meth:`consumer`."""
+        self._spaces.clear()
+        self._pairs.clear()
+
+    # ----------------------------------------------------------------- the write
+    def write(self, space: Space, keys: Sequence[str], payloads: Sequence[bytes], token_counts: Sequence[int],
+              codec_id: str, layer_roles: tuple[str, ...] = (), code_dtypes: tuple[str, ...] = (),
+              bit_widths: tuple[int, ...] = (), sections: Sequence[Sequence[Section]] | None = None) -> list[str]:
+        """Blobs for ``payloads`` under ``keys``: the top tier now, the lower ones through the write-behind.
+
+        Called by :class:`ProducerView` (whose space the registry authorised); returns the keys written."""
+        t0 = time.perf_counter()
+        if not len(keys) == len(payloads) == len(token_counts):
+            raise ValueError(f"{len(keys)} keys, {len(payloads)} payloads and {len(token_counts)} token counts "
+                             "must match")
+        if sections is not None and len(sections) != len(payloads):
+            raise ValueError("sections must give one tuple per payload")
+        items = []
+        for i, payload in enumerate(payloads):
+            meta = BlobMeta(codec_id, space.fingerprint, int(token_counts[i]), layer_roles, code_dtypes, bit_widths,
+                            tuple(sections[i]) if sections is not None else ())
+            items.append((keys[i], encode_blob(meta, payload)))
+        if not items:
+            return []
+        nbytes = sum(len(v) for _, v in items)
+        top = self.tiers[0]
+        if isinstance(top, LocalTier):
+            try:
+                top.put_many_now(items)
+                self.health[top.name].succeeded()
+                self.stats.inc("bytes_written", nbytes, tier=top.name, space=space.space_id)
+            except Exception as exc:
+                self.guard.failed(top, exc)
+        else:
+            ok = self._loop.run(self.guard.call(top, "put", lambda: top.put_many(items), False, True),
+                                timeout=self.op_timeout_s + 5.0)
+            if ok:
+                self.stats.inc("bytes_written", nbytes, tier=top.name, space=space.space_id)
+        if len(self.tiers) > 1:
+            self._loop.run(self.write_behind.enqueue(items, space.space_id), timeout=self.put_timeout_s + 5.0)
+        self.stats.inc("puts", len(items), space=space.space_id)
+        self.stats.observe("put", time.perf_counter() - t0)
+        return [k for k, _ in items]
+
+    # ----------------------------------------------------------------- stats
+    async def _mirror_loop(self) -> None:
+        assert self._mirror is not None
+        loop = asyncio.get_running_loop()
+        failing = False
+        while True:
+            await asyncio.sleep(self._stats_flush_s)
+            try:
+                await loop.run_in_executor(None, self._mirror.flush, self.stats)
+                failing = False
+            except Exception as exc:
+                if not failing:
+                    log.warning("store stats mirror to Redis failed (%s); will keep retrying", exc)
+                failing = True
+
+    def flush_stats(self) -> None:
+        """Push pending counter deltas to Redis now (when a mirror is configured)."""
+        if self._mirror is not None:
+            self._mirror.flush(self.stats)
+
+    def _on_evict(self, tier_name: str, key: str, nbytes: int) -> None:
+        self.stats.inc("evictions", tier=tier_name, space=space_of(key))

@@ -1,0 +1,86 @@
+"""The store's narrow faces, one per role, all keyed by engine chunk hashes.
+
+:class:`ProducerView` puts into its own space; :class:`ConsumerView` looks up and gets through
+its pair and has no write method. Who may hold which view comes from the registry
+(:meth:`TieredStore.producer`, :meth:`TieredStore.consumer`). Tokens become chunk hashes through
+:func:`scd_store.store.keys.chunk_hashes` (or the engine's own hashing): one key scheme.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from scd_store.store.blob import BlobMeta, Section
+from scd_store.store.keys import hash_keys
+from scd_store.store.registry import Pair, Space
+
+if TYPE_CHECKING:
+    from scd_store.store.tiered import TieredStore
+
+
+@dataclass(frozen=True, slots=True)
+class CodeChunk:
+    """One verified chunk out of the store: its key, position, tokens covered, codec payload and header."""
+
+    key: str
+    index: int
+    token_count: int
+    payload: memoryview
+    meta: BlobMeta
+    tier: str
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """A lookup's answer: the leading run of chunks present, and which tier holds each of them."""
+
+    hit_chunks: int
+    total_chunks: int
+    tiers: tuple[str, ...]
+
+
+class ProducerView:
+    """A producer's face: put into its own space, and look up what is already there."""
+
+    def __init__(self, store: TieredStore, space: Space, producer_model_id: str) -> None:
+        self.store = store
+        self.space = space
+        self.producer_model_id = producer_model_id
+
+    def put(self, hashes: Sequence[bytes], payloads: Sequence[bytes], token_counts: Sequence[int], *, codec_id: str,
+            layer_roles: Sequence[str] = (), code_dtypes: Sequence[str] = (), bit_widths: Sequence[int] = (),
+            sections: Sequence[Sequence[Section]] | None = None) -> list[str]:
+        """Store one payload per chunk hash (16 bytes each), covering ``token_counts`` tokens; returns the keys."""
+        return self.store.write(self.space, hash_keys(self.space.space_id, hashes), payloads, token_counts,
+                                codec_id, tuple(layer_roles), tuple(code_dtypes), tuple(bit_widths), sections)
+
+    def lookup(self, hashes: Sequence[bytes]) -> PrefixHit:
+        """The leading run of ``hashes`` present in any tier, with the tier of each chunk."""
+        return self.store.read.lookup(self.space.space_id, hash_keys(self.space.space_id, hashes))
+
+    def contains(self, hashes: Sequence[bytes]) -> int:
+        """Length of the leading run of ``hashes`` present in any tier."""
+        return self.lookup(hashes).hit_chunks
+
+
+class ConsumerView:
+    """A registered consumer's face: lookups and verified gets in its pair's space. It cannot write."""
+
+    def __init__(self, store: TieredStore, pair: Pair, space: Space) -> None:
+        self.store = store
+        self.pair = pair
+        self.space = space
+
+    def lookup(self, hashes: Sequence[bytes]) -> PrefixHit:
+        """The leading run of ``hashes`` present in any tier, with the tier of each chunk."""
+        return self.store.read.lookup(self.space.space_id, hash_keys(self.space.space_id, hashes), self.pair.pair_id)
+
+    def contains(self, hashes: Sequence[bytes]) -> int:
+        """Length of the leading run of ``hashes`` present in any tier."""
+        return self.lookup(hashes).hit_chunks
+
+    def get(self, hashes: Sequence[bytes]) -> list[CodeChunk]:
+        """The verified leading run of chunks stored under ``hashes``."""
+        return self.store.read.get(self.space, hash_keys(self.space.space_id, hashes), self.pair.pair_id)

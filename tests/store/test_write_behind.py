@@ -1,0 +1,60 @@
+"""The write-behind and tier health: failing and stalling lower tiers."""
+
+from __future__ import annotations
+
+import time
+
+from scd_store.store.tiered import TieredStore
+from scd_store.store.tiers.cpu import CpuTier
+from tests.store.conftest import HASHES, FailingTier, SlowTier, put_all
+
+
+def test_failing_tier_is_a_miss_logged_once_and_recovers(registry, caplog) -> None:
+    flaky = FailingTier()
+    store = TieredStore([CpuTier(1 << 20), flaky], registry, chunk_size=4, backoff_min_s=0.01, backoff_max_s=0.02)
+    try:
+        consumer = store.consumer("pair-a", "consumer-m")
+        keys = put_all(store)
+        store.flush()
+        assert len(flaky.data) == 6
+        for key in keys:
+            store.tiers[0].delete_now(key)
+        flaky.broken = True
+        with caplog.at_level("WARNING", logger="scd_store.store"):
+            for _ in range(5):
+                assert consumer.contains(HASHES) == 0
+                assert consumer.get(HASHES) == []
+        assert store.stats.value("tier_errors", tier="flaky") >= 1
+        assert sum("failed" in r.message for r in caplog.records) == 1
+        flaky.broken = False
+        deadline = time.monotonic() + 5
+        while consumer.contains(HASHES) != 6 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert consumer.contains(HASHES) == 6
+        assert not store.health["flaky"].down and store.health["flaky"].incidents == 1
+    finally:
+        store.close()
+
+
+def test_back_pressure_blocks_then_drops_when_lower_tier_stalls(registry) -> None:
+    slow = SlowTier()
+    store = TieredStore([CpuTier(1 << 20), slow], registry, chunk_size=4, queue_size=2, writers=1,
+                        put_timeout_s=0.2, op_timeout_s=0.1)
+    try:
+        put_all(store)
+        # the top tier took everything synchronously; the bounded queue refused the overflow
+        assert store.consumer("pair-a", "consumer-m").contains(HASHES) == 6
+        assert store.stats.value("rejected_blobs", tier="slow") >= 1
+    finally:
+        store.close()
+
+
+def test_flush_waits_for_every_lower_tier(registry) -> None:
+    slow = SlowTier()
+    store = TieredStore([CpuTier(1 << 20), slow], registry, chunk_size=4, op_timeout_s=2.0)
+    try:
+        put_all(store, 2)
+        store.flush()
+        assert len(slow.data) == 2 and store.stats.value("bytes_written", tier="slow") > 0
+    finally:
+        store.close()
