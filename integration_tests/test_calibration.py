@@ -4,21 +4,21 @@ import pytest
 import torch
 
 from scd_store.adapters.transformers import continue_with_prefix, prefill_capture
-from scd_store.adapters.transformers.calibrate import CalibrationConfig, distil_decoder, fit_space
+from scd_store.adapters.transformers.calibration import CalibrationConfig, Recipe, distil_decoder, fit_space
 from scd_store.bench.quality import load_scd_codec
-from scd_store.bench.windows import eval_windows
 from scd_store.codecs.scd.bundle import BundleError, load_space, save_pair, save_space
+from scd_store.models.windows import eval_windows
 
 pytestmark = pytest.mark.slow
 
 
 def test_small_calibration_round_trip(producer, shakespeare, tmp_path):
     config = CalibrationConfig(budget=0.25, basis_windows=3, prefix_tokens=64, continuation_tokens=8,
-                               distill_windows=4, distill_steps=6, greedy_weight=0.5)
+                               distill_windows=4, distill_steps=6)
     space = fit_space(producer, ["shakespeare"], config, "it-space", progress=False)
     assert abs(space.payload_ratio() - 0.25) < 0.01
     decoder, stats = distil_decoder(producer, shakespeare, space, "shakespeare", config, progress=False)
-    assert stats["steps"] == 6 and stats["kl_last"] is not None and stats["greedy_weight"] == 0.5
+    assert stats["steps"] == 6 and stats["kl_last"] is not None and stats["steps_from"] == "fixed"
     save_space(tmp_path, space)
     save_pair(tmp_path, decoder)
     codec = load_scd_codec(tmp_path, producer, shakespeare)
@@ -38,7 +38,7 @@ def test_small_calibration_round_trip(producer, shakespeare, tmp_path):
 
 
 def test_small_patch_calibrations(producer, shakespeare, tmp_path):
-    from scd_store.adapters.transformers.patch_select import choose_patch_layers, layer_gains
+    from scd_store.adapters.transformers.calibration.patch_select import choose_patch_layers, layer_gains
 
     window = eval_windows(shakespeare.tokenizer, "shakespeare", 1, 72, seed=11, split="calib")
     gains = layer_gains(producer.model, shakespeare.model, window, prefix_tokens=64)
@@ -47,7 +47,7 @@ def test_small_patch_calibrations(producer, shakespeare, tmp_path):
     assert len(layers) == 2 and all(gains[i] >= sorted(gains)[-2] for i in layers)
 
     config = CalibrationConfig(budget=0.25, basis_windows=3, prefix_tokens=64, continuation_tokens=8,
-                               distill_windows=4, distill_steps=4, patch_layers=2, patch_units=16)
+                               distill_windows=4, distill_steps=4, patch_layers=2, recipe=Recipe(patch_units=16))
     space = fit_space(producer, ["shakespeare"], config, "it-patch", progress=False, patch_layers=layers)
     assert space.patch_layers == layers and space.payload_ratio() > 0.25  # H_in is wider than K + V
     decoder, _ = distil_decoder(producer, shakespeare, space, "shakespeare", config, progress=False)
@@ -77,10 +77,10 @@ def test_small_patch_calibrations(producer, shakespeare, tmp_path):
 
 
 def test_calibrate_sweep_writes_one_bundle_per_combination(producer, shakespeare, tmp_path):
-    from scd_store.adapters.transformers.calibrate_cli import calibrate
+    from scd_store.adapters.transformers.calibration import calibrate
 
     small = CalibrationConfig(basis_windows=2, prefix_tokens=64, continuation_tokens=8, distill_windows=3,
-                              distill_steps=2, selection_windows=1, patch_units=8)
+                              distill_steps=2, recipe=Recipe(selection_windows=1, patch_units=8))
     report = calibrate("smollm2-135m-instruct", ["smollm2-135m-shakespeare"], tmp_path, budget=[0.12, 0.25],
                        patch_layers=[0, 2], base_config=small)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b0.12-k0", "b0.12-k2", "b0.25-k0", "b0.25-k2"]
@@ -100,7 +100,7 @@ def test_calibrate_sweep_writes_one_bundle_per_combination(producer, shakespeare
 
 
 def test_patch_layers_can_be_named_instead_of_measured(producer, shakespeare, tmp_path):
-    from scd_store.adapters.transformers.calibrate_cli import calibrate
+    from scd_store.adapters.transformers.calibration import calibrate
 
     small = CalibrationConfig(basis_windows=2, prefix_tokens=64, continuation_tokens=8, distill_windows=2,
                               distill_steps=1)
@@ -116,9 +116,10 @@ def test_patch_layers_can_be_named_instead_of_measured(producer, shakespeare, tm
 def test_teacher_logits_cover_every_cut_and_match_the_consumer_on_a_cut_prefix(producer, shakespeare):
     """Distillation cuts prefixes at random lengths: the teacher rows it slices from the one causal
     prefill must be what the consumer predicts after that shorter prefix."""
-    from scd_store.adapters.transformers.calibrate import collect_teacher
+    from scd_store.adapters.transformers.calibration import collect_teacher
 
-    config = CalibrationConfig(prefix_tokens=64, continuation_tokens=8, distill_windows=2, shortest_prefix=0.5)
+    config = CalibrationConfig(prefix_tokens=64, continuation_tokens=8, distill_windows=2,
+                               recipe=Recipe(shortest_prefix=0.5))
     teacher = collect_teacher(producer, shakespeare, "shakespeare", config, progress=False)
     assert teacher.first_cut == 32
     assert teacher.tokens.shape == (2, 72) and teacher.teacher.shape[:2] == (2, 72 - 32)

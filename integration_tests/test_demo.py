@@ -2,9 +2,9 @@
 
 import pytest
 
-from scd_store.adapters.transformers.calibrate import CalibrationConfig, distil_decoder, fit_space
+from scd_store.adapters.transformers.calibration import CalibrationConfig, distil_decoder, fit_space
+from scd_store.cli.demo.run import DemoConfig, main
 from scd_store.codecs.scd.bundle import save_pair, save_space
-from scd_store.demo.run import DemoConfig, main
 from scd_store.models import catalog
 
 pytestmark = pytest.mark.slow

@@ -8,11 +8,11 @@ import torch.nn.functional as F
 
 from integration_tests.lmcache_engines import make_engine, plugin_config, write_store_yaml
 from scd_store.adapters.transformers import continue_with_prefix, prefill_capture
-from scd_store.adapters.transformers.calibrate import CalibrationConfig, distil_decoder, fit_space
+from scd_store.adapters.transformers.calibration import CalibrationConfig, distil_decoder, fit_space
 from scd_store.bench.quality import load_scd_codec
-from scd_store.bench.windows import eval_windows
 from scd_store.codecs.scd.bundle import save_pair, save_space
 from scd_store.models import catalog
+from scd_store.models.windows import eval_windows
 
 from lmcache.v1.cache_engine import LMCacheEngineBuilder  # isort: skip
 

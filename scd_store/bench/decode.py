@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from scd_store.adapters.transformers.calibrate import layout_of
 from scd_store.adapters.transformers.capture import prefill_capture
+from scd_store.adapters.transformers.layout import layout_of
 from scd_store.codecs.scd.codec import ScdCodec
 from scd_store.codecs.scd.decoder import PairDecoder
 from scd_store.codecs.scd.layout import to_features

@@ -69,20 +69,13 @@ def _calibrate(args: argparse.Namespace) -> int:
     import json
     from dataclasses import replace
 
-    from scd_store.adapters.transformers.calibrate import CalibrationConfig
-    from scd_store.adapters.transformers.calibrate_cli import calibrate
+    from scd_store.adapters.transformers.calibration import CalibrationConfig, calibrate
 
-    base = CalibrationConfig(allocation=args.allocation, greedy_weight=args.greedy_weight)
-    if args.key_weight is not None:
-        base = replace(base, key_weight=args.key_weight)
-    if args.shortest_prefix is not None:
-        base = replace(base, shortest_prefix=args.shortest_prefix)
+    base = CalibrationConfig()
     if args.prefix_tokens:
         base = replace(base, prefix_tokens=args.prefix_tokens)
     if args.continuation_tokens:
         base = replace(base, continuation_tokens=args.continuation_tokens)
-    if args.splits:
-        base = replace(base, splits=tuple(args.splits.split(",")))
     print(json.dumps(calibrate(args.producer, args.consumer, args.out, budget=args.budget or [base.budget],
                                steps=args.steps, windows=args.windows, reuse_space=args.reuse_space,
                                patch_layers=args.patch_layers or [0], patch_source=args.patch_source,
@@ -153,7 +146,7 @@ def _bench_ttft(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from scd_store.demo.run import DemoConfig, main
+    from scd_store.cli.demo.run import DemoConfig, main
 
     return main(DemoConfig(redis_url=args.redis, bundle=args.bundle, new_tokens=args.new_tokens, device=args.device))
 
@@ -244,23 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="distillation steps per consumer (default: as many as fit a pair's calibration into 9 "
                           "minutes, measured on the first steps: 100..1000 in hundreds)")
     cal.add_argument("--windows", type=int, default=None, help="distillation windows per consumer")
-    cal.add_argument("--splits", help="comma-separated corpus splits for calibration text (default: calib; "
-                                      "never eval)")
-    cal.add_argument("--allocation", choices=["variance", "fisher"], default="variance",
-                     help="bit allocation weights: variance (keys weighted 4x) or fisher (measured effect on the "
-                          "next-token distribution; experimental, see docs/scd.md)")
-    cal.add_argument("--key-weight", type=float, default=None,
-                     help="with --allocation variance: weight of key components against values (default 4)")
     cal.add_argument("--prefix-tokens", type=int, default=None,
                      help="prefix length of calibration windows (default 448; --continuation-tokens follow)")
     cal.add_argument("--continuation-tokens", type=int, default=None,
                      help="scored tokens after each cut in distillation (default 64)")
-    cal.add_argument("--shortest-prefix", type=float, default=None,
-                     help="distillation cuts each prefix at a random length from this fraction of it to all of it "
-                          "(default 0.5; 1.0 = always the whole prefix)")
-    cal.add_argument("--greedy-weight", type=float, default=0.0,
-                     help="add this x a hinge on the margin of the consumer's own greedy token to the "
-                          "distillation KL (top-1 agreement; default 0)")
     cal.add_argument("--patch-layers", type=int, action="append",
                      help="k: layers the consumers regenerate (PATCH), chosen on calibration text (default 0); "
                           "repeat for a sweep (bundles OUT/b<budget>-k<k>)")

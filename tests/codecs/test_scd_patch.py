@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from scd_store.adapters.transformers import prefill_capture
-from scd_store.adapters.transformers.calibrate import layout_of
+from scd_store.adapters.transformers.layout import layout_of
 from scd_store.codecs.scd.bundle import load_pair, load_space, save_pair, save_space
 from scd_store.codecs.scd.codec import ScdCodec
 from scd_store.codecs.scd.decoder import PairDecoder

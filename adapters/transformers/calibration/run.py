@@ -11,16 +11,13 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from scd_store.adapters.transformers.calibrate import (
-    DEFAULT_BUDGET,
-    CalibrationConfig,
-    calibration_windows,
-    collect_teacher,
-    distil_decoder,
-    space_statistics,
-)
+from scd_store.adapters.transformers.calibration.config import DEFAULT_BUDGET, CalibrationConfig
+from scd_store.adapters.transformers.calibration.distillation import distil_decoder
+from scd_store.adapters.transformers.calibration.patch_select import layer_gains, rank_layers
+from scd_store.adapters.transformers.calibration.statistics import space_statistics
+from scd_store.adapters.transformers.calibration.teacher import collect_teacher
+from scd_store.adapters.transformers.calibration.text import calibration_windows
 from scd_store.adapters.transformers.loading import LoadedModel, load_model
-from scd_store.adapters.transformers.patch_select import layer_gains, rank_layers
 from scd_store.codecs.scd.bundle import load_space, save_pair, save_space
 from scd_store.models import catalog
 
@@ -31,8 +28,9 @@ def layer_ranking(producer: LoadedModel, consumers: list[LoadedModel], config: C
     gains = []
     for consumer in consumers:
         spec = catalog.consumer(consumer.name)
-        windows = calibration_windows(consumer.tokenizer, spec.corpus, config.selection_windows,
-                                      config.prefix_tokens + config.continuation_tokens, config.seed + 2, config.splits)
+        windows = calibration_windows(consumer.tokenizer, spec.corpus, config.recipe.selection_windows,
+                                      config.prefix_tokens + config.continuation_tokens, config.seed + 2,
+                                      config.recipe.splits)
         gains.append(layer_gains(producer.model, consumer.model, windows, config.prefix_tokens, progress=True))
     return rank_layers(gains, k), gains
 
@@ -102,8 +100,8 @@ def calibrate(producer_name: str, consumers: list[str], out: Path, budget: float
             space_id = f"{producer.name}-{int(round(b * 1000)):03d}" + (f"-p{k}" if coded else "")
             space = stats.space(space_id, combo_config, coded)
             save_space(path, space, extra={"producer": producer.name, "corpora": corpora,
-                                           "calibration": {"budget": b, "allocation": config.allocation,
-                                                           "key_weight": config.key_weight,
+                                           "calibration": {"budget": b, "allocation": "variance",
+                                                           "key_weight": config.recipe.key_weight,
                                                            "patch_layers": list(chosen), "patch_source": patch_source}})
         entry: dict = {"space_id": space.space_id, "payload_ratio": round(space.payload_ratio(), 4),
                        "patch_layers": list(chosen), "consumers": {}}
