@@ -44,13 +44,16 @@ demo: $(STAMP) models
 
 # pytest's exit code 5 (no tests collected) is not a failure of the set-up.
 test: $(STAMP) $(SGLANG_STAMP) system-deps models
+	$(PY) tools/lint_imports.py
 	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q tests
 
+# ruff, and the layering (pyproject.toml's import-linter contracts, on the package as it installs)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(PY) tools/lint_imports.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
