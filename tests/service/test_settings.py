@@ -1,0 +1,51 @@
+"""Engine settings and the process-shared service: what every engine adapter reads."""
+
+from __future__ import annotations
+
+import pytest
+
+from scd_store.service import EngineSettings, SettingsError, acquire_service, release_service
+from tests.bundles import PRODUCER, write_tiny_bundle
+
+
+@pytest.fixture
+def bundle(tmp_path):
+    write_tiny_bundle(tmp_path / "bundle")
+    return tmp_path / "bundle"
+
+
+def test_settings_read_their_prefix_and_refuse_unknown_keys(bundle):
+    settings = EngineSettings.from_mapping({"scd.bundles": f"{bundle}, {bundle}", "scd.aliases": {"b": "a"},
+                                            "other.key": 1}, prefix="scd.")
+    assert settings.bundles == (str(bundle), str(bundle)) and settings.aliases == (("b", "a"),)
+    assert settings.positions == "connector"
+    with pytest.raises(SettingsError, match=r"unknown scd-store settings \['scd.colour'\]"):
+        EngineSettings.from_mapping({"scd.bundles": str(bundle), "scd.colour": "blue"}, prefix="scd.")
+
+
+@pytest.mark.parametrize("values, match", [
+    ({}, "at least one calibration bundle"),
+    ({"bundles": ["/nowhere"]}, "not a calibration bundle"),
+    ({"bundles": [1]}, "list of paths"),
+    ({"aliases": ["a"]}, "aliases must be a mapping"),
+    ({"positions": "guess"}, "positions must be one of"),
+    ({"store_config": "/nowhere.yaml"}, "is not a file"),
+])
+def test_bad_settings_name_the_problem(bundle, values, match):
+    values = {"bundles": [str(bundle)], **values} if "bundles" not in values and values else values
+    with pytest.raises(SettingsError, match=match):
+        EngineSettings.from_mapping(values)
+
+
+def test_engines_with_the_same_settings_share_one_service(bundle, tmp_path, monkeypatch):
+    monkeypatch.setenv("SCD_STORE_HOME", str(tmp_path / "home"))
+    settings = EngineSettings.from_mapping({"bundles": [str(bundle)]})
+    first = acquire_service(settings)
+    second = acquire_service(settings)
+    try:
+        assert first is second and first.models()[PRODUCER] == "producer"
+    finally:
+        release_service(second)
+    assert not first.store._closed  # one reference left
+    release_service(first)
+    assert first.store._closed
