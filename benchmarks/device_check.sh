@@ -15,7 +15,7 @@ export PYTHONPATH=/tmp/site
 rm -rf /tmp/tw && mkdir -p /tmp/tw && cp -r tests /tmp/tw/ && cd /tmp/tw
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
-timeout 180 python3 -m pytest -q -p no:cacheprovider tests/codecs tests/adapters/test_transformers_runner.py \
+timeout 180 python3 -m pytest -q -p no:cacheprovider tests/codecs tests/adapters/transformers/test_runner.py \
   tests/store/test_gpu_tier.py tests/bench/test_decode_bench.py -k "cuda or gpu or graph or tensor_payload" 2>&1 \
   | tee "$OUT/pytest.log" | tail -15
 for dtype in float32 bfloat16; do

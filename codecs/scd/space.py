@@ -104,10 +104,10 @@ class CodeSpace:
         (components by decreasing variance) and ``budget`` (coded bits per dimension against fp16)
         spread over the components by :func:`allocate_bits`.
 
-        Distortion weights: with ``sensitivity`` ``[G, C, C]`` (the Fisher information of the model's
-        next-token distribution with respect to each group's features, see docs/scd.md) a component's
-        weight is its Fisher information ``u^T F u``, so bits go where quantisation noise costs the most
-        KL; without it, keys are weighted ``key_weight`` against values. ``hidden_stats`` = (patch
+        Distortion weights: with ``sensitivity`` ``[G, C, C]`` (e.g. the Fisher information of the model's
+        next-token distribution with respect to each group's features) a component's weight is
+        ``u^T F u``, so bits go where quantisation noise costs the most; without it (what calibration
+        does), keys are weighted ``key_weight`` against values. ``hidden_stats`` = (patch
         layers, ``H_in`` means ``[P, D]``, covariances ``[P, D, D]``) makes a PATCH space: ``H_in`` is
         coded at the same bits per dimension and the patch layers' K / V groups get none."""
         eigvals, eigvecs = torch.linalg.eigh(cov.double())

@@ -2,9 +2,10 @@
 
 glibc serves blocks over its mmap threshold (at most 32 MiB) with fresh ``mmap`` pages and unmaps
 them on free, so every 2,048-token decode's 47 MB key and value tensors fault in and zero ~23k new
-pages: ~16 ms of a ~49 ms decode on 2 cores (docs/scd.md, session 10). ``mallopt(M_MMAP_MAX, 0)``
-serves them from the heap instead, and ``M_TRIM_THRESHOLD`` keeps up to 1 GiB of freed heap
-mapped, so freed blocks are reused, as CPU serving stacks get from jemalloc or tcmalloc. Only the
+pages: ~16 ms of a ~49 ms decode on 2 cores (measured on 2026-12-01:
+docs/research/2026-12-01-decode-into-buffers-allocator.md). ``mallopt(M_MMAP_MAX, 0)`` serves them
+from the heap instead, and ``M_TRIM_THRESHOLD`` keeps up to 1 GiB of freed heap mapped, so freed
+blocks are reused, as CPU serving stacks get from jemalloc or tcmalloc. Only the
 ``scd-store`` process does this; an engine embedding scd-store keeps its own allocator
 (``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=...`` in its environment has the same effect with glibc).
 """
