@@ -1,4 +1,4 @@
-"""Real LMCacheEngines on CPU for the plugin tests: a small CPU connector over a ``[2, L, T, H*D]`` tensor."""
+"""Real LMCacheEngines on CPU for the plugin tests, over scd-store's dense connector (``[2, L, T, H*D]``)."""
 
 from __future__ import annotations
 
@@ -13,38 +13,16 @@ os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 
 from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder  # noqa: E402
 from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
-from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface  # noqa: E402
 from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
 
+from scd_store.adapters.lmcache.dense_connector import DenseKVConnector  # noqa: E402
 
-class CpuConnector(GPUConnectorInterface):
-    """Moves chunks between LMCache memory objects and one sequence's KV tensor ``[2, L, T, H*D]``.
 
-    Like a connector that knows token positions, it records each stored chunk's positions in
-    ``cached_positions`` (scd-store needs them to remove RoPE)."""
-
-    def __init__(self, kv: torch.Tensor, record_positions: bool = True) -> None:
-        self.kv = kv
-        self.record_positions = record_positions
-
-    def to_gpu(self, memory_obj, start: int, end: int, **kwargs) -> None:
-        self.kv[:, :, start:end] = memory_obj.tensor.to(self.kv.dtype)
+class PositionlessConnector(DenseKVConnector):
+    """Like LMCache's own connectors: moves chunks, records no positions."""
 
     def from_gpu(self, memory_obj, start: int, end: int, **kwargs) -> None:
         memory_obj.tensor.copy_(self.kv[:, :, start:end])
-        if self.record_positions:
-            memory_obj.metadata.cached_positions = torch.arange(start, end)
-
-    def batched_to_gpu(self, memory_objs, starts, ends, **kwargs) -> None:
-        for obj, start, end in zip(memory_objs, starts, ends, strict=True):
-            self.to_gpu(obj, start, end)
-
-    def batched_from_gpu(self, memory_objs, starts, ends, **kwargs) -> None:
-        for obj, start, end in zip(memory_objs, starts, ends, strict=True):
-            self.from_gpu(obj, start, end)
-
-    def get_shape(self, num_tokens: int) -> torch.Size:
-        return torch.Size([2, self.kv.shape[1], num_tokens, self.kv.shape[3]])
 
 
 def plugin_config(bundles: list[Path], store_yaml: Path, chunk_size: int, **scd: object) -> LMCacheEngineConfig:
@@ -71,8 +49,8 @@ def make_engine(model: str, config: LMCacheEngineConfig, kv: torch.Tensor, heads
     metadata = LMCacheMetadata(model_name=model, world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
                                kv_dtype=kv.dtype, kv_shape=(layers, 2, config.chunk_size, heads, width // heads))
     instance = f"{model}-{uuid.uuid4().hex[:8]}"
-    engine = LMCacheEngineBuilder.get_or_create(instance, config, metadata, CpuConnector(kv, record_positions),
-                                                None, None)
+    connector = DenseKVConnector(kv) if record_positions else PositionlessConnector(kv)
+    engine = LMCacheEngineBuilder.get_or_create(instance, config, metadata, connector, None, None)
     engine.post_init()
     return instance, engine
 

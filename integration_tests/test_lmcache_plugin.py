@@ -66,6 +66,7 @@ def test_consumer_engine_retrieves_its_own_decode_of_the_producer_prefix(setup):
     instances.append(name)
     assert isinstance(scd_backend(producer), ScdStoragePlugin)
     producer.store(tokens)
+    assert scd_backend(producer).drain(timeout=30)
     for consumer in ("consumer-a", "consumer-b"):
         out = torch.zeros_like(kv)
         name, engine = make_engine(consumer, config, out, HEADS)
@@ -100,8 +101,9 @@ def refused_store(setup, caplog, kv: torch.Tensor, tokens: torch.Tensor, warning
     config = plugin_config([bundle], store_yaml, CHUNK)
     name, producer = make_engine(PRODUCER, config, kv, HEADS, record_positions=record_positions)
     instances.append(name)
-    with caplog.at_level(logging.WARNING, logger="scd_store.adapters.lmcache"):
+    with caplog.at_level(logging.WARNING):
         producer.store(tokens)
+        assert scd_backend(producer).drain(timeout=30)
     assert warning in caplog.text
     name, consumer = make_engine("consumer-a", config, torch.zeros_like(kv), HEADS)
     instances.append(name)
@@ -111,26 +113,53 @@ def refused_store(setup, caplog, kv: torch.Tensor, tokens: torch.Tensor, warning
 def test_without_chunk_positions_nothing_is_stored(setup, caplog):
     refused_store(setup, caplog, producer_kv(), torch.arange(7, 7 + TOKENS), "records no chunk positions",
                   record_positions=False)
+    assert "unpositioned_chunks" in caplog.text
 
 
-def test_batch_positions_mode_stores_whole_prompts(setup):
+def test_a_store_that_skips_a_cached_prefix_is_coded_at_its_true_positions(setup):
+    """Chunked prefill / a partial prefix hit: LMCache stores only the chunks after the first one
+    (a mask whose leading tokens are False). Their positions start at 16, not 0."""
     bundle, store_yaml, instances = setup
-    config = plugin_config([bundle], store_yaml, CHUNK, positions="batch")
+    config = plugin_config([bundle], store_yaml, CHUNK)
     kv = producer_kv()
     tokens = torch.arange(3, 3 + TOKENS)
-    name, producer = make_engine(PRODUCER, config, kv, HEADS, record_positions=False)
+    name, producer = make_engine(PRODUCER, config, kv, HEADS)
     instances.append(name)
-    producer.store(tokens)
+    mask = torch.ones(TOKENS, dtype=torch.bool)
+    mask[:CHUNK] = False
+    producer.store(tokens[:CHUNK])  # the first chunk, stored by an earlier request
+    producer.store(tokens, mask=mask)
+    assert scd_backend(producer).drain(timeout=30)
     out = torch.zeros_like(kv)
     name, consumer = make_engine("consumer-a", config, out, HEADS)
     instances.append(name)
+    assert consumer.lookup(tokens) == TOKENS
     consumer.retrieve(tokens)
     assert torch.equal(out, expected_consumer_kv(bundle, "consumer-a", kv))
 
 
+def test_puts_return_at_once_and_the_put_queue_bounds_what_waits(setup):
+    bundle, store_yaml, instances = setup
+    config = plugin_config([bundle], store_yaml, CHUNK, put_queue_chunks=3)
+    kv = producer_kv()
+    name, producer = make_engine(PRODUCER, config, kv, HEADS)
+    instances.append(name)
+    plugin = scd_backend(producer)
+    gate = __import__("threading").Event()
+    run = plugin.service.puts._run
+    plugin.service.puts._run = lambda job: (gate.wait(30), run(job))[1]  # hold the worker: puts pile up
+    producer.store(torch.arange(TOKENS))  # 3 chunks: fit
+    producer.store(torch.arange(1000, 1000 + TOKENS))  # 3 more: dropped, counted
+    stats = plugin.service.store.stats
+    assert stats.value("dropped_puts") == 3 and plugin.service.puts.queued_chunks() == 3
+    gate.set()
+    assert plugin.drain(timeout=30) and stats.value("puts") == 3
+
+
 @pytest.mark.parametrize("change, match", [
     ({"scd.bundles": "/nonexistent"}, "not a calibration bundle"),
-    ({"scd.positions": "guess"}, "positions must be one of"),
+    ({"scd.positions": "batch"}, "positions always come from the engine"),
+    ({"scd.put_queue_chunks": 0}, "put_queue_chunks must be a positive int"),
     ({"scd.bundle": "x"}, "unknown scd-store settings"),
 ])
 def test_bad_configuration_fails_at_construction(setup, change, match):
@@ -160,3 +189,31 @@ def test_kv_the_space_cannot_code_is_not_stored(setup, caplog):
     kv = producer_kv()
     kv[0, 0, 20, 0] = float("nan")  # inside chunk 1
     refused_store(setup, caplog, kv, torch.arange(50, 50 + TOKENS), "NaN or inf")
+
+
+def test_the_async_lookup_and_load_hooks_answer_like_the_blocking_ones(setup):
+    """LMCache with async loading awaits batched_async_contains and batched_get_non_blocking on its event loop."""
+    import asyncio
+
+    bundle, store_yaml, instances = setup
+    config = plugin_config([bundle], store_yaml, CHUNK)
+    kv = producer_kv()
+    tokens = torch.arange(500, 500 + TOKENS)
+    name, producer = make_engine(PRODUCER, config, kv, HEADS)
+    instances.append(name)
+    producer.store(tokens)
+    assert scd_backend(producer).drain(timeout=30)
+    name, consumer = make_engine("consumer-a", config, torch.zeros_like(kv), HEADS)
+    instances.append(name)
+    plugin = scd_backend(consumer)
+    keys = [key for _, _, key in consumer.token_database.process_tokens(tokens)]
+    assert asyncio.run(plugin.batched_async_contains("lookup-1", keys)) == 3
+    objs = asyncio.run(plugin.batched_get_non_blocking("lookup-1", keys))
+    want = expected_consumer_kv(bundle, "consumer-a", kv)
+    assert torch.equal(torch.cat([obj.tensor for obj in objs], dim=2), want)
+    single = plugin.get_non_blocking(keys[0]).result(timeout=30)
+    assert torch.equal(single.tensor, want[:, :, :CHUNK])
+    for obj in [*objs, single]:
+        obj.ref_count_down()
+    absent = [key for _, _, key in consumer.token_database.process_tokens(torch.arange(9000, 9000 + CHUNK))]
+    assert asyncio.run(plugin.batched_get_non_blocking("lookup-2", absent + keys)) == []  # no leading hit

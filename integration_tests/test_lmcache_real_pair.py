@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from integration_tests.lmcache_engines import make_engine, plugin_config, write_store_yaml
+from integration_tests.lmcache_engines import make_engine, plugin_config, scd_backend, write_store_yaml
 from scd_store.adapters.transformers import continue_with_prefix, prefill_capture
 from scd_store.adapters.transformers.calibration import CalibrationConfig, distil_decoder, fit_space
 from scd_store.bench.quality import load_scd_codec
@@ -46,6 +46,7 @@ def test_consumer_through_lmcache_matches_scd_quality(producer, shakespeare, tmp
             name, prod_engine = make_engine(catalog.PRODUCER, lm_config, kv, heads)
             instances.append(name)
             prod_engine.store(prefix)
+            assert scd_backend(prod_engine).drain(timeout=60)
             out = torch.zeros_like(kv)
             name, cons_engine = make_engine(shakespeare.name, lm_config, out, heads)
             instances.append(name)

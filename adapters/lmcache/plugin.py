@@ -9,18 +9,25 @@ Configure in the LMCache YAML::
       scd.bundles: /path/to/bundle            # comma-separated for several spaces
       scd.store_config: /path/to/scd-store.yaml   # optional
 
-Store path: chunks that a space's producer engine stores are encoded into its code space and put
-under LMCache's chunk hash. Retrieve path: a registered consumer engine asking for the same chunk
+Store path: chunks that a space's producer engine stores are handed to scd-store's put worker
+(the engine's thread returns at once; a reference on each memory object is held until then),
+encoded into its code space at the positions the GPU connector recorded
+(``MemoryObj.metadata.cached_positions``; a chunk without them is not stored and is counted) and
+put under LMCache's chunk hash. Retrieve path: a registered consumer engine asking for the same chunk
 hash (under its own model name) gets the producer's codes decoded into its own KV, straight into a
 ``KV_2LTD`` memory object from LMCache's CPU allocator (no copy): an ordinary LMCache hit. Everyone else
-misses. A bad configuration raises at construction (LMCache only logs that, so the error is also
-logged here with the fix).
+misses. LMCache's async lookup and load hooks (``batched_async_contains``,
+``batched_get_non_blocking``) run the same calls off its event loop. A bad configuration raises at
+construction (LMCache only logs that, so the error is also logged here with the fix).
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import logging
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -46,7 +53,6 @@ class ScdStoragePlugin(StoragePluginInterface):
         try:
             self._check_engine(config, metadata, local_cpu_backend)
             settings = EngineSettings.from_mapping(config.extra_config or {}, prefix=SETTINGS_PREFIX)
-            self.positions = settings.positions
             self.service = acquire_service(settings)
             try:
                 self.model = metadata.model_name
@@ -58,6 +64,7 @@ class ScdStoragePlugin(StoragePluginInterface):
             log.error("scd-store LMCache plugin: bad configuration: %s", exc)
             raise
         self._warned: set[str] = set()
+        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="scd-store-lmcache")
 
     # ----------------------------------------------------------------- construction checks
     @staticmethod
@@ -100,28 +107,25 @@ class ScdStoragePlugin(StoragePluginInterface):
         binding = self.service.binding(model)
         return binding is not None and binding.role == "consumer"
 
-    def _states(self, objs: Sequence[MemoryObj]) -> list[KVState] | None:
-        heads = self.metadata.kv_shape[3]
-        states, offset = [], 0
-        for obj in objs:
-            if obj.metadata.fmt != MemoryFormat.KV_2LTD:
-                self._warn_once("fmt", "scd-store: LMCache chunk format %s is not supported (KV_2LTD only); "
-                                "not storing", obj.metadata.fmt)
-                return None
-            positions = obj.metadata.cached_positions
-            if positions is not None and len(positions):
-                start = int(positions[0])
-            elif self.positions == "batch":
-                start = offset
-            else:
-                self._warn_once("positions", "scd-store: the connector records no chunk positions "
-                                "(MemoryObj.metadata.cached_positions); not storing. Set scd.positions: batch "
-                                "when the engine always stores whole prompts from position 0")
-                return None
-            state = state_from_kv_2ltd(obj.tensor, heads, start)
-            offset = start + state.num_tokens
-            states.append(state)
-        return states
+    def _start(self, obj: MemoryObj) -> int | None:
+        """The chunk's absolute start position from ``cached_positions``, or None when the engine gave
+        none (or not one contiguous run of the chunk's length)."""
+        positions = obj.metadata.cached_positions
+        tokens = obj.tensor.shape[2] if obj.tensor is not None and obj.tensor.dim() == 4 else -1
+        if positions is None or len(positions) != tokens or tokens <= 0:
+            return None
+        start = int(positions[0])
+        if start < 0 or not torch.equal(positions.cpu().long(), torch.arange(start, start + tokens)):
+            return None
+        return start
+
+    def _unpositioned(self, model: str, count: int) -> None:
+        self.service.store.stats.inc("unpositioned_chunks", count)
+        self._warn_once("positions", "scd-store: LMCache's GPU connector records no chunk positions "
+                        "(MemoryObj.metadata.cached_positions), so chunks of %r cannot be coded at their true "
+                        "positions and are not stored (counted as unpositioned_chunks; logged once). Use a "
+                        "connector that records them (embedded: "
+                        "scd_store.adapters.lmcache.dense_connector.DenseKVConnector)", model)
 
     # ----------------------------------------------------------------- StoragePluginInterface
     def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
@@ -133,30 +137,49 @@ class ScdStoragePlugin(StoragePluginInterface):
         return self.service.contains(keys[0].model_name, [chunk_hash_bytes(k.chunk_hash) for k in keys])
 
     def exists_in_put_tasks(self, key: CacheEngineKey) -> bool:
-        return False  # puts complete inside batched_submit_put_task
+        return self.service.puts.pending(chunk_hash_bytes(key.chunk_hash))
 
     def batched_submit_put_task(self, keys: Sequence[CacheEngineKey], objs: list[MemoryObj], transfer_spec: Any = None,
                                 on_complete_callback: Callable[[CacheEngineKey], None] | None = None) -> None:
+        """Hand the chunks to the put worker and return: they are converted, encoded and stored off the
+        engine's thread, holding a reference on each memory object until then."""
         if not keys:
             return None
         model = keys[0].model_name
         binding = self.service.binding(model)
         if binding is None or binding.role != "producer":
             return None  # consumers never write; their own chunks stay in LMCache's other tiers
-        states = self._states(objs)
-        if states is not None:
-            try:
-                self.service.put(model, [chunk_hash_bytes(k.chunk_hash) for k in keys], states)
-            except ValueError as exc:  # KV the space cannot code: nothing is stored, the engine goes on
-                log.warning("scd-store: not storing %d chunks of %r: %s", len(keys), model, exc)
-                return None
-            if on_complete_callback is not None:
-                for key in keys:
-                    try:
-                        on_complete_callback(key)
-                    except Exception as exc:  # the engine's callback must not break the put
-                        log.warning("scd-store: LMCache put callback failed: %s", exc)
+        if any(obj.metadata.fmt != MemoryFormat.KV_2LTD for obj in objs):
+            self._warn_once("fmt", "scd-store: LMCache chunk format %s is not supported (KV_2LTD only); not storing",
+                            objs[0].metadata.fmt)
+            return None
+        starts = [self._start(obj) for obj in objs]
+        if None in starts:
+            self._unpositioned(model, len(keys))
+            return None
+        heads = self.metadata.kv_shape[3]
+        for obj in objs:
+            obj.ref_count_up()
+
+        def states() -> list[KVState]:
+            return [state_from_kv_2ltd(obj.tensor, heads, start) for obj, start in zip(objs, starts, strict=True)]
+
+        def release() -> None:
+            for obj in objs:
+                obj.ref_count_down()
+
+        def done(stored: int) -> None:
+            if on_complete_callback is not None and stored:
+                for key in keys[:stored]:
+                    on_complete_callback(key)
+
+        self.service.submit_put(model, [chunk_hash_bytes(k.chunk_hash) for k in keys], states, release=release,
+                                done=done)
         return None
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every submitted chunk is stored (or failed); False when ``timeout`` passed first."""
+        return self.service.drain(timeout)
 
     def get_blocking(self, key: CacheEngineKey) -> MemoryObj | None:
         return self.batched_get_blocking([key])[0]
@@ -192,6 +215,19 @@ class ScdStoragePlugin(StoragePluginInterface):
                 obj.ref_count_down()
         return out
 
+    def get_non_blocking(self, key: CacheEngineKey, location: str | None = None) -> Future | None:
+        return self._executor.submit(self.get_blocking, key)
+
+    async def batched_async_contains(self, lookup_id: str, keys: list[CacheEngineKey], pin: bool = False) -> int:
+        """:meth:`batched_contains` off LMCache's event loop (its async lookup path)."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self.batched_contains, keys, pin)
+
+    async def batched_get_non_blocking(self, lookup_id: str, keys: list[CacheEngineKey],
+                                       transfer_spec: Any = None) -> list[MemoryObj]:
+        """The leading run of :meth:`batched_get_blocking` off LMCache's event loop (its async load path)."""
+        objs = await asyncio.get_running_loop().run_in_executor(self._executor, self.batched_get_blocking, keys)
+        return list(itertools.takewhile(lambda obj: obj is not None, objs))
+
     def pin(self, key: CacheEngineKey) -> bool:
         return False  # codes are shared by every consumer of a space: nothing is pinned per engine
 
@@ -205,6 +241,9 @@ class ScdStoragePlugin(StoragePluginInterface):
         return self.local_cpu_backend
 
     def close(self) -> None:
+        executor = getattr(self, "_executor", None)
+        if executor is not None:
+            executor.shutdown(wait=True)
         service, self.service = getattr(self, "service", None), None
         if service is not None:
             release_service(service)

@@ -5,12 +5,15 @@ Launch flags::
     --enable-hierarchical-cache --hicache-storage-backend dynamic
     --hicache-storage-backend-extra-config '{"backend_name": "scd",
         "module_path": "scd_store.adapters.sglang.backend", "class_name": "ScdHiCacheStorage",
-        "interface_v1": 1, "scd": {"bundles": ["/path/to/bundle"], "store_config": "/path/to/scd-store.yaml"}}'
+        "interface_v1": 1, "hicache_storage_pass_prefix_keys": true,
+        "scd": {"bundles": ["/path/to/bundle"], "store_config": "/path/to/scd-store.yaml"}}'
 
-Pages a space's producer writes back are encoded into its code space and stored under SGLang's
-page key; a registered consumer's prefetch of the same keys gets the codes decoded into its own
-KV, written into its host pool. Positions come from ``extra_info.prefix_keys`` (the pages before
-the call's keys). Unknown models and producers reading their own pages miss (their L3 is raw).
+Pages a space's producer writes back are copied out of the host pool, handed to scd-store's put
+worker (the call returns at once), encoded into its code space and stored under SGLang's page key;
+a registered consumer's prefetch of the same keys gets the codes decoded into its own KV, written
+into its host pool. Positions come from ``extra_info.prefix_keys`` (the pages before the call's
+keys), which SGLang passes only with ``hicache_storage_pass_prefix_keys: true``: without it the
+backend refuses to start. Unknown models and producers reading their own pages miss (their L3 is raw).
 """
 
 from __future__ import annotations
@@ -21,12 +24,29 @@ from typing import Any
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
-from scd_store.adapters.sglang.pages import LAYOUTS, flat_page, page_hash_bytes, read_page, state_from_flat, write_page
+from scd_store.adapters.sglang.pages import LAYOUTS, flat_page, page_hash_bytes, read_page, write_page
 from scd_store.codecs.kv_state import KVState
 from scd_store.service import EngineSettings, SettingsError, acquire_service, release_service
 
 log = logging.getLogger("scd_store.adapters.sglang")
 SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
+PREFIX_KEYS_FLAG = "hicache_storage_pass_prefix_keys"
+
+
+def engine_extra_config(storage_config: HiCacheStorageConfig) -> dict:
+    """The storage extra config as the operator wrote it: SGLang pops its own keys (the prefix-keys
+    flag among them) before it builds the backend, so inside a server read the published original."""
+    try:
+        from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+        from sglang.srt.runtime_context import get_memory
+
+        raw = get_memory().hicache_storage_backend_extra_config
+    except Exception:  # not inside a running server (e.g. the factory called directly)
+        raw = None
+    if raw:
+        extra, *_, flag = HybridCacheController.parse_storage_backend_extra_config(raw)
+        return {**extra, PREFIX_KEYS_FLAG: flag}
+    return dict(storage_config.extra_config or {})
 
 
 class ScdHiCacheStorage(HiCacheStorage):
@@ -43,9 +63,12 @@ class ScdHiCacheStorage(HiCacheStorage):
             scd = extra.get("scd")
             if not isinstance(scd, dict):
                 raise SettingsError('the extra config needs an "scd" object with "bundles" (and optionally '
-                                    '"store_config", "aliases", "positions")')
+                                    '"store_config", "aliases", "put_queue_chunks", "get_deadline_s")')
+            if engine_extra_config(storage_config).get(PREFIX_KEYS_FLAG) is not True:
+                raise SettingsError(f'set "{PREFIX_KEYS_FLAG}": true in --hicache-storage-backend-extra-config: '
+                                    "without it SGLang gives a backend no page positions, and scd-store codes "
+                                    "pages at their true positions only")
             settings = EngineSettings.from_mapping(scd)
-            self.positions = settings.positions
             self.model = storage_config.model_name or ""
             self.service = acquire_service(settings)
         except Exception as exc:
@@ -78,14 +101,12 @@ class ScdHiCacheStorage(HiCacheStorage):
             self._warned.add(what)
             log.warning(message, *args)
 
-    def _first_position(self, extra_info: HiCacheStorageExtraInfo | None) -> int | None:
-        page = self.mem_pool_host.page_size
+    def _first_position(self, extra_info: HiCacheStorageExtraInfo | None, pages: int) -> int | None:
         if extra_info is not None and extra_info.prefix_keys is not None:
-            return len(extra_info.prefix_keys) * page
-        if self.positions == "batch":
-            return 0
+            return len(extra_info.prefix_keys) * self.mem_pool_host.page_size
+        self.service.store.stats.inc("unpositioned_chunks", pages)
         self._warn_once("positions", "scd-store: SGLang gave no prefix_keys, so page positions are unknown; not "
-                        "storing. Set scd.positions to batch when whole prompts are always written from page 0")
+                        'storing (counted as unpositioned_chunks; logged once). Set "%s": true', PREFIX_KEYS_FLAG)
         return None
 
     def _pool_ready(self) -> bool:
@@ -107,20 +128,23 @@ class ScdHiCacheStorage(HiCacheStorage):
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         if self._role() != "producer" or not keys or not self._pool_ready():
             return [False] * len(keys)
-        start = self._first_position(extra_info)
+        start = self._first_position(extra_info, len(keys))
         if start is None:
             return [False] * len(keys)
         page = self.mem_pool_host.page_size
+        # the host pages are SGLang's to reuse once this returns: copy them out now, encode off this thread
         states = [read_page(self.mem_pool_host, int(host_indices[i * page]), start + i * page)
                   for i in range(len(keys))]
         return [self._put(keys, states)] * len(keys)
 
     def _put(self, keys: list[str], states: list[KVState]) -> bool:
-        try:
-            return self.service.put(self.model, [page_hash_bytes(k) for k in keys], states) == len(keys)
-        except ValueError as exc:  # KV the space cannot code: nothing is stored, the engine goes on
-            log.warning("scd-store: not storing %d pages of %r: %s", len(keys), self.model, exc)
-            return False
+        """Hand the pages to the put worker; True when they were queued (stored or not, a later
+        ``batch_exists`` says what is there)."""
+        return self.service.submit_put(self.model, [page_hash_bytes(k) for k in keys], lambda: states)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every queued page is stored (or failed); False when ``timeout`` passed first."""
+        return self.service.drain(timeout)
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
@@ -154,16 +178,11 @@ class ScdHiCacheStorage(HiCacheStorage):
 
     def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
                   target_sizes: Any = None) -> bool:
-        """Flat pages in the pool's layout; positions only in ``batch`` mode (this call has no prefix info)."""
+        """Flat pages without prefix information: their positions are unknown, so nothing is stored
+        (counted); SGLang's zero-copy v1 path (``interface_v1``) carries them."""
         if self._role() != "producer" or not keys or values is None or not self._pool_ready():
             return False
-        start = self._first_position(None)
-        if start is None:
-            return False
-        pool = self.mem_pool_host
-        states: list[KVState] = [state_from_flat(v, pool.layout, pool.layer_num, pool.head_num, pool.head_dim,
-                                                 start + i * pool.page_size) for i, v in enumerate(values)]
-        return self._put(keys, states)
+        return self._first_position(None, len(keys)) is not None
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
         return self.batch_set([key], [value])
@@ -171,8 +190,17 @@ class ScdHiCacheStorage(HiCacheStorage):
     def clear(self) -> None:
         self._warn_once("clear", "scd-store: clear() is ignored: codes are shared by every consumer of a space")
 
-    def get_stats(self) -> dict:
-        return self.service.store.stats.snapshot() if self.service is not None else {}
+    def get_stats(self) -> Any:
+        """SGLang's ``StorageMetrics`` (``--enable-storage-metrics`` adds ``prefetch_stats`` to it), with
+        scd-store's counters as ``scd_store``; None where SGLang's metrics module does not import (SGLang
+        then makes its own). scd-store's counters are also in its Prometheus registry and ``scd-store stats``."""
+        try:
+            from sglang.srt.observability.metrics_collector import StorageMetrics
+        except Exception:  # e.g. its multimodal imports need torchvision
+            return None
+        metrics = StorageMetrics()
+        metrics.scd_store = self.service.store.stats.snapshot() if self.service is not None else {}
+        return metrics
 
     def close(self) -> None:
         service, self.service = getattr(self, "service", None), None

@@ -145,6 +145,20 @@ def _bench_ttft(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_engine_put(args: argparse.Namespace) -> int:
+    import json
+
+    from scd_store.bench.engine_put import EnginePutConfig, run_engine_put_bench
+
+    report = run_engine_put_bench(EnginePutConfig(prompts=args.prompts, prompt_tokens=args.prompt_tokens,
+                                                  chunk_tokens=args.chunk_tokens))
+    text = json.dumps(report, indent=1)
+    if args.json:
+        args.json.write_text(text)
+    print(text)
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from scd_store.cli.demo.run import DemoConfig, main
 
@@ -225,6 +239,14 @@ def build_parser() -> argparse.ArgumentParser:
     ttft.add_argument("--droidspeak-group", default="18-24", help="layers [start-stop) droidspeak recomputes")
     ttft.add_argument("--json", type=Path, help="write the report here (and a PNG plot next to it)")
     ttft.set_defaults(func=_bench_ttft)
+
+    engine_put = bench.add_parser("engine-put", help="what a producer engine's thread waits for per stored prompt "
+                                  "(a real LMCacheEngine with the plugin)")
+    engine_put.add_argument("--prompts", type=int, default=30)
+    engine_put.add_argument("--prompt-tokens", type=int, default=1024)
+    engine_put.add_argument("--chunk-tokens", type=int, default=256)
+    engine_put.add_argument("--json", type=Path)
+    engine_put.set_defaults(func=_bench_engine_put)
 
     cal = sub.add_parser("calibrate", help="fit a code space and distil consumer decoders into a bundle")
     cal.add_argument("--producer", default="smollm2-135m-instruct")

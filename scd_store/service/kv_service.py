@@ -20,6 +20,7 @@ from scd_store.codecs.kv_state import KVState
 from scd_store.codecs.tensor_pack import PayloadError
 from scd_store.service.bindings import Binding, Bindings
 from scd_store.service.bundles import bind_bundle
+from scd_store.service.put_queue import PutJob, PutQueue
 from scd_store.store.tiered import TieredStore
 from scd_store.store.views import ConsumerView, ProducerView
 
@@ -35,12 +36,18 @@ class KVService:
     ``bundles`` are calibration bundle directories. ``aliases`` maps an engine's model name (e.g.
     a served-model name or checkpoint path) to the name the bundle knows the model by.
     ``replace_registrations`` lets the bundles overwrite different registry records (for a registry
-    the caller owns, e.g. the demo's).
+    the caller owns, e.g. the demo's). Engines hand puts over with :meth:`submit_put` (at most
+    ``put_queue_chunks`` queued, off their thread); a get stops decoding once ``get_deadline_s``
+    has passed (the chunks decoded so far are the hit).
     """
 
     def __init__(self, store: TieredStore, bundles: Sequence[str | Path], *,
-                 aliases: Mapping[str, str] | None = None, replace_registrations: bool = False) -> None:
+                 aliases: Mapping[str, str] | None = None, replace_registrations: bool = False,
+                 put_queue_chunks: int = 256, get_deadline_s: float | None = None) -> None:
+        if get_deadline_s is not None and get_deadline_s <= 0:
+            raise ValueError(f"get_deadline_s must be positive, got {get_deadline_s}")
         self.store = store
+        self.get_deadline_s = get_deadline_s
         self.bindings = Bindings(aliases)
         self._producers: dict[str, ProducerView] = {}
         self._consumers: dict[str, ConsumerView] = {}
@@ -49,6 +56,8 @@ class KVService:
                                        replace=replace_registrations):
                 self.bindings.add(binding)
         store.forget_registry_cache()
+        self.puts = PutQueue(self._run_put, store.stats, max_chunks=put_queue_chunks)
+        self._warned: set[str] = set()
 
     @property
     def aliases(self) -> dict[str, str]:
@@ -77,7 +86,50 @@ class KVService:
             self._consumers[binding.model] = view
         return view
 
+    def _warn_once(self, what: str, message: str, *args: object) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            log.warning(message, *args)
+
+    # ----------------------------------------------------------------- lifecycle
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every submitted put is stored (or failed); False when ``timeout`` passed first."""
+        return self.puts.drain(timeout)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Store what is queued (up to ``timeout``, default the store's ``put_timeout_s``), then close the store."""
+        try:
+            self.puts.close(self.store.put_timeout_s if timeout is None else timeout)
+        finally:
+            self.store.close()
+
     # ----------------------------------------------------------------- operations
+    def submit_put(self, model: str, hashes: Sequence[bytes], states: Callable[[], Sequence[KVState] | None], *,
+                   release: Callable[[], None] | None = None, done: Callable[[int], None] | None = None) -> bool:
+        """Hand a producer's chunks over without waiting: ``states()`` runs on the put worker (None: store
+        nothing), then ``release()`` and ``done(chunks stored)``. False (and ``release()`` at once) when
+        ``model`` is no producer or the queue is full (``dropped_puts``)."""
+        binding = self.binding(model)
+        job = PutJob(model, list(hashes), states, release or (lambda: None), done)
+        if binding is None or binding.role != "producer":
+            self.store.stats.inc("refused_requests")
+            log.info("scd-store: %r is not a registered producer; not storing %d chunks", model, len(hashes))
+            job.release()
+            return False
+        return self.puts.submit(job)
+
+    def _run_put(self, job: PutJob) -> int:
+        states = job.states()
+        if states is None:
+            return 0
+        try:
+            return self.put(job.model, job.hashes, states)
+        except ValueError as exc:  # KV the space cannot code: nothing is stored, the engine goes on
+            self.store.stats.inc("uncodable_chunks", len(job.hashes))
+            self._warn_once(f"uncodable:{job.model}", "scd-store: not storing chunks of %r the space cannot code "
+                            "(counted as uncodable_chunks; logged once): %s", job.model, exc)
+            return 0
+
     def put(self, model: str, hashes: Sequence[bytes], states: Sequence[KVState]) -> int:
         """Encode a producer's chunks (one state per hash, at its absolute start) and store them.
 
@@ -112,7 +164,8 @@ class KVService:
         codec refuses ends the run (it is counted, never decoded into garbage). ``into(i, tokens)``,
         when given, returns the engine's ``(keys, values)`` buffers ``[layers, kv_heads, tokens,
         head_dim]`` for chunk ``i`` (their device and dtype win over ``device`` / ``dtype``), or None to
-        end the run there: chunks decode straight into them (``Codec.decode_into``)."""
+        end the run there: chunks decode straight into them (``Codec.decode_into``). Past the service's
+        ``get_deadline_s`` no further chunk is decoded (``deadline_chunks``)."""
         device = torch.device(device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {device} requested but CUDA is not available here; use device='cpu'")
@@ -121,10 +174,18 @@ class KVService:
             self.store.stats.inc("refused_requests")
             log.info("scd-store: %r is not a registered consumer; miss", model)
             return []
+        started = time.perf_counter()
+        deadline = started + self.get_deadline_s if self.get_deadline_s is not None else float("inf")
         chunks = self._consumer(binding).get(hashes)
         t0 = time.perf_counter()
         states: list[KVState] = []
         for i, chunk in enumerate(chunks):
+            if time.perf_counter() > deadline:
+                self.store.stats.inc("deadline_chunks", len(chunks) - i, space=binding.space.space_id,
+                                     pair=binding.pair_id)
+                self._warn_once("deadline", "scd-store: a get passed its %.2f s deadline; the chunks decoded so far "
+                                "are the hit (counted as deadline_chunks; logged once)", self.get_deadline_s)
+                break
             buffers = into(i, chunk.token_count) if into is not None else None
             if into is not None and buffers is None:
                 break

@@ -1,18 +1,20 @@
 """What an engine adapter needs from its engine's config: scd-store's settings, validated.
 
-Both the LMCache plugin and the SGLang backend read the same keys (LMCache: ``extra_config``
-``scd.*``; SGLang: the ``--hicache-storage-backend-extra-config`` JSON without the prefix):
+Every engine adapter reads the same keys (LMCache: ``extra_config`` ``scd.*``; SGLang: the
+``"scd"`` object of ``--hicache-storage-backend-extra-config``):
 
 - ``bundles``: calibration bundle directories (a list, or one string of comma-separated paths);
 - ``store_config``: an scd-store YAML (default: ``$SCD_STORE_CONFIG`` or the embedded CPU + disk);
 - ``aliases``: ``{engine model name: bundle model name}``;
-- ``positions``: where a stored chunk's absolute position comes from. ``connector`` (default):
-  from the engine (LMCache: ``MemoryObj.metadata.cached_positions``; SGLang: ``prefix_keys``);
-  chunks without one are not stored. ``batch``: when the engine gives none, a put batch is taken
-  to start at position 0 (right only for engines that store whole prompts).
+- ``put_queue_chunks``: chunks a producer may have waiting to be encoded (default 256; more are
+  dropped and counted, the engine never waits);
+- ``get_deadline_s``: how long a consumer's get may take before it returns what it has decoded
+  (default 5).
 
-Engines in one process that name the same store config and bundles share one store and service
-(:mod:`scd_store.service.shared`).
+A stored chunk's absolute position always comes from the engine (LMCache:
+``MemoryObj.metadata.cached_positions``; SGLang: ``prefix_keys``); a chunk without one is not
+stored and is counted (``unpositioned_chunks``). Engines in one process that name the same
+settings share one store and service (:mod:`scd_store.service.shared`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-POSITION_MODES = ("connector", "batch")
+KNOWN = ("bundles", "store_config", "aliases", "put_queue_chunks", "get_deadline_s")
 
 
 class SettingsError(ValueError):
@@ -36,7 +38,8 @@ class EngineSettings:
     bundles: tuple[str, ...]
     store_config: str | None = None
     aliases: tuple[tuple[str, str], ...] = field(default=())
-    positions: str = "connector"
+    put_queue_chunks: int = 256
+    get_deadline_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not self.bundles:
@@ -46,18 +49,21 @@ class EngineSettings:
                 raise SettingsError(f"bundle {bundle!r} is not a calibration bundle directory (no space.json)")
         if self.store_config is not None and not Path(self.store_config).is_file():
             raise SettingsError(f"store_config {self.store_config!r} is not a file")
-        if self.positions not in POSITION_MODES:
-            raise SettingsError(f"positions must be one of {POSITION_MODES}, got {self.positions!r}")
+        if isinstance(self.put_queue_chunks, bool) or not isinstance(self.put_queue_chunks, int) \
+                or self.put_queue_chunks <= 0:
+            raise SettingsError(f"put_queue_chunks must be a positive int, got {self.put_queue_chunks!r}")
+        if not self.get_deadline_s > 0:
+            raise SettingsError(f"get_deadline_s must be positive, got {self.get_deadline_s!r}")
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], prefix: str = "") -> EngineSettings:
         """Read ``{prefix}bundles`` etc. from ``values``; unknown ``{prefix}*`` keys are an error."""
-        known = {"bundles", "store_config", "aliases", "positions"}
         ours = {k[len(prefix):]: v for k, v in values.items() if k.startswith(prefix)}
-        unknown = sorted(set(ours) - known)
+        unknown = sorted(set(ours) - set(KNOWN))
         if unknown:
-            raise SettingsError(f"unknown scd-store settings {[prefix + k for k in unknown]}; known: "
-                                f"{sorted(prefix + k for k in known)}")
+            hint = " (positions always come from the engine now)" if "positions" in unknown else ""
+            raise SettingsError(f"unknown scd-store settings {[prefix + k for k in unknown]}{hint}; known: "
+                                f"{sorted(prefix + k for k in KNOWN)}")
         bundles = ours.get("bundles", ())
         if isinstance(bundles, str):
             bundles = [b.strip() for b in bundles.split(",") if b.strip()]
@@ -66,5 +72,10 @@ class EngineSettings:
         aliases = ours.get("aliases") or {}
         if not isinstance(aliases, Mapping):
             raise SettingsError(f"aliases must be a mapping of engine model name to bundle model name, got {aliases!r}")
+        try:
+            queue_chunks = int(ours.get("put_queue_chunks", 256))
+            deadline = float(ours.get("get_deadline_s", 5.0))
+        except (TypeError, ValueError) as exc:
+            raise SettingsError(f"put_queue_chunks and get_deadline_s must be numbers: {exc}") from exc
         return cls(tuple(str(Path(b)) for b in bundles), ours.get("store_config"),
-                   tuple(sorted((str(k), str(v)) for k, v in aliases.items())), str(ours.get("positions", "connector")))
+                   tuple(sorted((str(k), str(v)) for k, v in aliases.items())), queue_chunks, deadline)

@@ -15,13 +15,16 @@ _services: dict[tuple, tuple[KVService, int]] = {}
 
 def acquire_service(settings: EngineSettings) -> KVService:
     """The process's service for these settings (opened on first use, reference counted)."""
-    key = (settings.store_config, settings.bundles, settings.aliases)
+    key = (settings.store_config, settings.bundles, settings.aliases, settings.put_queue_chunks,
+           settings.get_deadline_s)
     with _lock:
         entry = _services.get(key)
         if entry is None:
             store = open_store(load_config(settings.store_config))
             try:
-                service = KVService(store, settings.bundles, aliases=dict(settings.aliases))
+                service = KVService(store, settings.bundles, aliases=dict(settings.aliases),
+                                    put_queue_chunks=settings.put_queue_chunks,
+                                    get_deadline_s=settings.get_deadline_s)
             except BaseException:
                 store.close()
                 raise
@@ -37,7 +40,7 @@ def release_service(service: KVService) -> None:
             if held is service:
                 if refs <= 1:
                     del _services[key]
-                    service.store.close()
+                    service.close()
                 else:
                     _services[key] = (held, refs - 1)
                 return

@@ -32,6 +32,10 @@ COUNTERS: dict[str, str] = {
     "promotions": "blobs copied up to a faster tier on a hit",
     "puts": "chunks written by producers",
     "refused_requests": "engine requests for models that are no registered producer or consumer",
+    "dropped_puts": "producer chunks dropped because the put queue was full (or closing)",
+    "uncodable_chunks": "producer chunks the code space cannot code (shape, NaN or inf): not stored",
+    "unpositioned_chunks": "producer chunks whose absolute position the engine did not give: not stored",
+    "deadline_chunks": "chunks a get left undecoded because its deadline had passed",
 }
 LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                    float("inf"))

@@ -132,3 +132,35 @@ def test_chunks_decode_into_engine_buffers_and_a_refused_chunk_ends_the_run(stor
     before = store.stats.value("corrupt_blobs")
     assert service.get("consumer-a", HASHES, into=lambda i, n: (keys[:, :, :n - 1], values[:, :, :n - 1])) == []
     assert store.stats.value("corrupt_blobs") == before + 1
+
+
+def test_submitted_puts_are_stored_off_the_callers_thread(store, bundle):
+    service = KVService(store, [bundle])
+    state, parts = chunks()
+    released, built_on = [], []
+
+    def states():
+        import threading
+
+        built_on.append(threading.current_thread().name)
+        return parts
+
+    assert service.submit_put(PRODUCER, HASHES, states, release=lambda: released.append(1))
+    assert service.drain(timeout=10) and released == [1] and built_on == ["scd-store-put"]
+    assert service.contains("consumer-a", HASHES) == 3
+    assert not service.submit_put("consumer-a", HASHES, states, release=lambda: released.append(2))
+    assert released == [1, 2] and store.stats.value("refused_requests") == 1  # consumers never write
+    bad = [type(state)(p.keys[:1].contiguous(), p.values[:1].contiguous(), start=p.start) for p in parts]
+    assert service.submit_put(PRODUCER, [bytes([9]) * 16] * 3, lambda: bad) and service.drain(timeout=10)
+    assert store.stats.value("uncodable_chunks") == 3  # counted, logged once, nothing stored
+    service.close()
+
+
+def test_a_get_past_its_deadline_returns_what_it_decoded(store, bundle):
+    service = KVService(store, [bundle], get_deadline_s=1e-9)
+    _, parts = chunks()
+    service.put(PRODUCER, HASHES, parts)
+    assert service.get("consumer-a", HASHES) == []  # the deadline passed before the first decode
+    assert store.stats.value("deadline_chunks", pair="tiny-space/consumer-a") == 3
+    with pytest.raises(ValueError, match="get_deadline_s"):
+        KVService(store, [bundle], get_deadline_s=0)

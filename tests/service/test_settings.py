@@ -18,7 +18,7 @@ def test_settings_read_their_prefix_and_refuse_unknown_keys(bundle):
     settings = EngineSettings.from_mapping({"scd.bundles": f"{bundle}, {bundle}", "scd.aliases": {"b": "a"},
                                             "other.key": 1}, prefix="scd.")
     assert settings.bundles == (str(bundle), str(bundle)) and settings.aliases == (("b", "a"),)
-    assert settings.positions == "connector"
+    assert (settings.put_queue_chunks, settings.get_deadline_s) == (256, 5.0)
     with pytest.raises(SettingsError, match=r"unknown scd-store settings \['scd.colour'\]"):
         EngineSettings.from_mapping({"scd.bundles": str(bundle), "scd.colour": "blue"}, prefix="scd.")
 
@@ -28,7 +28,10 @@ def test_settings_read_their_prefix_and_refuse_unknown_keys(bundle):
     ({"bundles": ["/nowhere"]}, "not a calibration bundle"),
     ({"bundles": [1]}, "list of paths"),
     ({"aliases": ["a"]}, "aliases must be a mapping"),
-    ({"positions": "guess"}, "positions must be one of"),
+    ({"positions": "batch"}, "positions always come from the engine"),
+    ({"put_queue_chunks": -1}, "put_queue_chunks must be a positive int"),
+    ({"get_deadline_s": 0}, "get_deadline_s must be positive"),
+    ({"get_deadline_s": "soon"}, "must be numbers"),
     ({"store_config": "/nowhere.yaml"}, "is not a file"),
 ])
 def test_bad_settings_name_the_problem(bundle, values, match):
