@@ -27,8 +27,9 @@ def test_demo_serves_both_consumers_from_codes(producer, shakespeare, tmp_path, 
     out = capsys.readouterr().out
     for name in catalog.CONSUMERS:
         assert f"{name}:" in out and "tokens from codes" in out
-    assert "prefilled the shared prefix once" in out and "hit_chunks" in out
-    assert "miss" not in out.split("prefilled")[1].split("scd-store counters")[0]  # every request was served
+    assert "prefilled the shared prefix once" in out and "hits per pair" in out
+    assert "miss" not in out.split("prefilled")[1].split("scd-store hits per pair")[0]  # every request was served
+    assert out.split("scd-store hits per pair")[1].count("100.0%") == 2  # both pairs: every requested token hit
     assert out.count("from codes:") == 6 and out.count("own prefill:") == 6
 
 

@@ -14,7 +14,8 @@ from integration_tests.redis_servers import RedisCluster, RedisServer
 from integration_tests.store_ops import get_tokens, hit_tokens, keys_of, put_tokens
 from scd_store.store.keys import chunk_hashes
 from scd_store.store.registry import FileRegistry, NotRegistered, Pair, RedisRegistry, Space
-from scd_store.store.stats import REDIS_STATS_KEY, RedisStatsMirror, StoreStats, read_redis_stats
+from scd_store.store.stats import REDIS_STATS_KEY, StoreStats
+from scd_store.store.stats_sinks import RedisStatsMirror, read_redis_stats
 from scd_store.store.tiered import TieredStore
 from scd_store.store.tiers.cpu import CpuTier
 from scd_store.store.tiers.redis_tier import RedisTier
@@ -220,7 +221,7 @@ def test_registry_in_cluster(cluster) -> None:
 
 def test_stats_mirrored_in_redis(server, raw, registry) -> None:
     stores = [TieredStore([CpuTier(1 << 20), RedisTier(server.url)], registry, chunk_size=4,
-                          stats=StoreStats(), stats_mirror=RedisStatsMirror(server.url), stats_flush_s=60)
+                          stats=StoreStats(), stats_sink=RedisStatsMirror(server.url), stats_flush_s=60)
               for _ in range(2)]
     try:
         put_tokens(stores[0], "sp", "producer-m", TOKENS, PAYLOADS)
@@ -245,5 +246,9 @@ def test_stats_cli_reads_redis(server, raw, capsys) -> None:
     assert main(["stats", "--redis", server.url, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert {"name": "hit_tokens", "tier": "redis", "space": "sp", "pair": "pair", "value": 4096} in out["counters"]
+    assert out["summary"]["pairs"][0]["hit_tokens"] == 4096
     assert main(["stats", "--redis", server.url]) == 0
+    summary = capsys.readouterr().out
+    assert "hits per pair" in summary and "4,096" in summary
+    assert main(["stats", "--redis", server.url, "--counters"]) == 0
     assert "hit_tokens" in capsys.readouterr().out

@@ -134,7 +134,8 @@ class ScdStoragePlugin(StoragePluginInterface):
     def batched_contains(self, keys: list[CacheEngineKey], pin: bool = False) -> int:
         if not keys or not self._is_consumer(keys[0].model_name):
             return 0
-        return self.service.contains(keys[0].model_name, [chunk_hash_bytes(k.chunk_hash) for k in keys])
+        return self.service.contains(keys[0].model_name, [chunk_hash_bytes(k.chunk_hash) for k in keys],
+                                     tokens=len(keys) * self.metadata.kv_shape[2])
 
     def exists_in_put_tasks(self, key: CacheEngineKey) -> bool:
         return self.service.puts.pending(chunk_hash_bytes(key.chunk_hash))

@@ -119,7 +119,9 @@ class ScdHiCacheStorage(HiCacheStorage):
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         if self._role() != "consumer" or not keys:
             return 0
-        return self.service.contains(self.model, [page_hash_bytes(k) for k in keys])
+        page = self.mem_pool_host.page_size if self.mem_pool_host is not None else None
+        return self.service.contains(self.model, [page_hash_bytes(k) for k in keys],
+                                     tokens=len(keys) * page if page else None)
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1

@@ -166,7 +166,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _add_store_commands(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:
-    from scd_store.cli.store_cmds import add_bench_store_parser, add_stats_parser
+    from scd_store.cli.stats_cmd import add_stats_parser
+    from scd_store.cli.store_cmds import add_bench_store_parser
 
     add_stats_parser(sub)
     add_bench_store_parser(bench)

@@ -93,8 +93,16 @@ class KVService:
 
     # ----------------------------------------------------------------- lifecycle
     def drain(self, timeout: float | None = None) -> bool:
-        """Wait until every submitted put is stored (or failed); False when ``timeout`` passed first."""
-        return self.puts.drain(timeout)
+        """Wait until every submitted put is stored in every tier (or failed); False when ``timeout``
+        passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self.puts.drain(timeout):
+            return False
+        try:
+            self.store.flush(None if deadline is None else max(0.001, deadline - time.monotonic()))
+        except TimeoutError:
+            return False
+        return True
 
     def close(self, timeout: float | None = None) -> None:
         """Store what is queued (up to ``timeout``, default the store's ``put_timeout_s``), then close the store."""
@@ -147,13 +155,18 @@ class KVService:
         self._producer(binding).put(hashes, payloads, [s.num_tokens for s in states], codec_id=binding.codec.codec_id)
         return len(payloads)
 
-    def contains(self, model: str, hashes: Sequence[bytes]) -> int:
-        """Chunks of the leading run of ``hashes`` that ``model`` can get (0 for an unknown model)."""
+    def contains(self, model: str, hashes: Sequence[bytes], tokens: int | None = None) -> int:
+        """Chunks of the leading run of ``hashes`` that ``model`` can get (0 for an unknown model).
+
+        ``tokens``, the tokens the hashes cover as the engine counts them, is a consumer's request:
+        it is counted as ``requested_tokens`` (the denominator of the hit rate)."""
         binding = self.binding(model)
         if binding is None:
             return 0
         if binding.role == "producer":
             return self._producer(binding).contains(hashes)
+        if tokens:
+            self.store.stats.inc("requested_tokens", tokens, space=binding.space.space_id, pair=binding.pair_id)
         return self._consumer(binding).contains(hashes)
 
     def get(self, model: str, hashes: Sequence[bytes], *, device: torch.device | str = "cpu",
@@ -195,15 +208,17 @@ class KVService:
                 else:
                     state = binding.codec.decode_into(chunk.payload, *buffers)
             except PayloadError as exc:
-                self.store.stats.inc("corrupt_blobs", tier=chunk.tier, space=binding.space.space_id)
+                self.store.stats.inc("refused_chunks", tier=chunk.tier, space=binding.space.space_id,
+                                     pair=binding.pair_id)
                 log.warning("scd-store: chunk %s refused by the codec: %s", chunk.key, exc)
                 break
             if state.num_tokens != chunk.token_count:
-                self.store.stats.inc("corrupt_blobs", tier=chunk.tier, space=binding.space.space_id)
+                self.store.stats.inc("refused_chunks", tier=chunk.tier, space=binding.space.space_id,
+                                     pair=binding.pair_id)
                 log.warning("scd-store: chunk %s decodes to %d tokens, its header says %d", chunk.key,
                             state.num_tokens, chunk.token_count)
                 break
             states.append(state)
         if chunks:
-            self.store.stats.observe("decode", time.perf_counter() - t0)
+            self.store.stats.observe("decode", time.perf_counter() - t0, pair=binding.pair_id)
         return states

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from scd_store.store.config import StoreConfig, TierConfig, load_config
 from scd_store.store.registry import FileRegistry, RedisRegistry, Registry
-from scd_store.store.stats import RedisStatsMirror, StoreStats
+from scd_store.store.stats import StoreStats
+from scd_store.store.stats_sinks import RedisStatsMirror, SnapshotFiles, StatsSink
 from scd_store.store.tiered import TieredStore
 from scd_store.store.tiers.base import Tier
 
@@ -23,7 +24,8 @@ def build_tier(cfg: TierConfig) -> Tier | None:
     if cfg.kind == "disk":
         from scd_store.store.tiers.disk import DiskTier
 
-        return DiskTier(str(cfg.path), int(cfg.max_bytes), fsync=cfg.fsync)
+        return DiskTier(str(cfg.path), int(cfg.max_bytes), fsync=cfg.fsync,
+                        rescan_s=float(cfg.rescan_s) if cfg.rescan_s is not None else None)
     if cfg.kind == "redis":
         from scd_store.store.tiers.redis_tier import RedisTier
 
@@ -50,6 +52,19 @@ def open_registry_for(config: StoreConfig) -> Registry:
     return FileRegistry(data_dir() / "store" / "registry.json")
 
 
+def stats_dir() -> Path:
+    """Where processes without Redis write their stats snapshots (``<data dir>/store/stats``)."""
+    from scd_store.paths import data_dir
+
+    return Path(data_dir()) / "store" / "stats"
+
+
+def stats_sink_for(config: StoreConfig) -> StatsSink:
+    """Redis when the config names one (``stats_redis_url`` or the Redis tier), else per-process files."""
+    url = config.stats_redis_url or config.redis_url
+    return RedisStatsMirror(url) if url else SnapshotFiles(stats_dir())
+
+
 def open_store(config: StoreConfig | None = None, *, registry: Registry | None = None,
                stats: StoreStats | None = None) -> TieredStore:
     """The store described by ``config`` (default: :func:`load_config`, i.e. CPU + local disk)."""
@@ -58,17 +73,15 @@ def open_store(config: StoreConfig | None = None, *, registry: Registry | None =
     pairs = [(cfg, tier) for cfg, tier in built if tier is not None]
     stats = stats if stats is not None else StoreStats()
     if config.metrics_port is not None:
-        stats.serve_http(config.metrics_port)
-    mirror_url = config.stats_redis_url or config.redis_url
-    snapshot_path = None
-    if not mirror_url:
-        from scd_store.paths import data_dir
-
-        snapshot_path = str(Path(data_dir()) / "store" / "stats.json")
+        try:
+            stats.serve_http(config.metrics_port)
+        except OSError as exc:  # e.g. a second engine process on this host with the same config
+            log.warning("scd-store: cannot serve metrics on port %d (%s): this process serves none; give each "
+                        "process on a host its own metrics_port (SCD_STORE_METRICS_PORT)", config.metrics_port, exc)
+    sink = stats_sink_for(config)
     return TieredStore([t for _, t in pairs], registry if registry is not None else open_registry_for(config),
                        chunk_size=config.chunk_size, stats=stats, op_timeout_s=config.op_timeout_s,
                        put_timeout_s=config.put_timeout_s, queue_size=[c.queue_size for c, _ in pairs],
                        writers=[c.writers for c, _ in pairs], backoff_min_s=config.retry_backoff_min_s,
                        backoff_max_s=config.retry_backoff_max_s,
-                       stats_mirror=RedisStatsMirror(mirror_url) if mirror_url else None,
-                       snapshot_path=snapshot_path)
+                       stats_sink=sink)

@@ -58,6 +58,7 @@ class TierConfig:
     apply_server_maxmemory: bool = False
     pinned: bool = False
     fsync: bool = False
+    rescan_s: float | None = 60.0
     queue_size: int = 256
     writers: int = 2
 
@@ -77,6 +78,8 @@ class TierConfig:
             parse_redis_url(self.url)
         if self.ttl_s is not None and float(self.ttl_s) <= 0:
             raise ConfigError(f"{self.kind} tier: ttl_s must be > 0 or null")
+        if self.rescan_s is not None and float(self.rescan_s) <= 0:
+            raise ConfigError(f"{self.kind} tier: rescan_s must be > 0 or null")
         if self.queue_size <= 0 or self.writers <= 0:
             raise ConfigError(f"{self.kind} tier: queue_size and writers must be > 0")
 

@@ -12,7 +12,8 @@ from scd_store.store.config import TIER_KINDS, StoreConfig, TierConfig
 
 STORE_DOCS = {
     "tiers": "ordered tiers, fastest first (`gpu`, `cpu`, `disk`, `redis`); default: cpu 1GiB + disk 8GiB",
-    "chunk_size": "tokens per chunk for token-keyed puts and lookups",
+    "chunk_size": "tokens per chunk where scd-store hashes tokens itself (`chunk_hashes`: the demo, the "
+                  "benches); engines bring their own chunks",
     "op_timeout_s": "bound on every tier operation; a slower one is a miss and a `tier_errors` count",
     "put_timeout_s": "how long a put may wait for a full write-through queue (back-pressure) before dropping",
     "retry_backoff_min_s": "first retry delay of a failed tier",
@@ -33,6 +34,8 @@ TIER_DOCS = {
     "apply_server_maxmemory": "Redis: set the server's `maxmemory` to `max_bytes`",
     "pinned": "CPU tier: keep blobs in pinned memory (with CUDA) for fast device copies",
     "fsync": "disk tier: fsync every blob before it counts as written",
+    "rescan_s": "disk tier: rebuild the index from the directory this often, so what other processes on the "
+                "host wrote is counted and the byte bound holds across them (null: only at start)",
     "queue_size": "write-through queue length of this tier (lower tiers)",
     "writers": "background writers draining this tier's queue",
 }

@@ -2,15 +2,14 @@
 
 Every counter is a Prometheus metric ``scd_store_<name>_total`` with labels ``tier``, ``space`` and
 ``pair`` (empty where not applicable), in the stats object's own ``CollectorRegistry``; latencies go
-to ``scd_store_op_seconds`` (labels ``op``, ``tier``). A local snapshot backs ``scd-store stats``, and
-:class:`RedisStatsMirror` adds the deltas to one Redis hash (``HINCRBY``) so a deployment's processes
-share totals.
+to ``scd_store_op_seconds`` (labels ``op``, ``tier``, ``pair``). A hit rate is one PromQL division:
+``scd_store_hit_tokens_total / scd_store_requested_tokens_total``. A snapshot backs ``scd-store
+stats``; :mod:`scd_store.store.stats_sinks` shares it between processes (Redis or per-process files).
 """
 
 from __future__ import annotations
 
 import bisect
-import json
 import threading
 from collections import defaultdict
 from typing import Any
@@ -19,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 COUNTERS: dict[str, str] = {
     "lookups": "prefix lookups and gets",
+    "requested_tokens": "tokens consumers looked up (whole chunks)",
     "hit_chunks": "chunks served, by the tier that served them",
     "hit_tokens": "tokens covered by served chunks",
     "miss_chunks": "requested chunks not served",
@@ -36,11 +36,14 @@ COUNTERS: dict[str, str] = {
     "uncodable_chunks": "producer chunks the code space cannot code (shape, NaN or inf): not stored",
     "unpositioned_chunks": "producer chunks whose absolute position the engine did not give: not stored",
     "deadline_chunks": "chunks a get left undecoded because its deadline had passed",
+    "refused_chunks": "stored chunks the consumer's codec refused (another packing or space): a miss",
+    "hash_mismatch": "engine processes whose chunk hashing differs from their space's producer (canary)",
 }
 LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                    float("inf"))
 REDIS_STATS_KEY = "scd:__stats__"
 Label = tuple[str, str, str]  # tier, space, pair
+HistKey = tuple[str, str, str]  # op, tier, pair
 
 
 class StoreStats:
@@ -50,11 +53,11 @@ class StoreStats:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._counters = {name: Counter(f"scd_store_{name}", doc, ("tier", "space", "pair"), registry=self.registry)
                           for name, doc in COUNTERS.items()}
-        self._latency = Histogram("scd_store_op_seconds", "store operation latency", ("op", "tier"),
+        self._latency = Histogram("scd_store_op_seconds", "store operation latency", ("op", "tier", "pair"),
                                   buckets=LATENCY_BUCKETS, registry=self.registry)
         self._lock = threading.Lock()
         self._values: dict[tuple[str, str, str, str], int] = defaultdict(int)
-        self._buckets: dict[tuple[str, str], list[int]] = {}
+        self._buckets: dict[HistKey, list[int]] = {}
         self._pending: dict[str, int] = defaultdict(int)
         self._server: Any = None
 
@@ -68,13 +71,13 @@ class StoreStats:
             self._values[(name, tier, space, pair)] += amount
             self._pending[f"c|{name}|{tier}|{space}|{pair}"] += amount
 
-    def observe(self, op: str, seconds: float, *, tier: str = "") -> None:
-        self._latency.labels(op, tier).observe(seconds)
+    def observe(self, op: str, seconds: float, *, tier: str = "", pair: str = "") -> None:
+        self._latency.labels(op, tier, pair).observe(seconds)
         index = bisect.bisect_left(LATENCY_BUCKETS, seconds)
         with self._lock:
-            counts = self._buckets.setdefault((op, tier), [0] * len(LATENCY_BUCKETS))
+            counts = self._buckets.setdefault((op, tier, pair), [0] * len(LATENCY_BUCKETS))
             counts[index] += 1
-            self._pending[f"h|{op}|{tier}|{index}"] += 1
+            self._pending[f"h|{op}|{tier}|{pair}|{index}"] += 1
 
     def record_hit(self, *, tier: str, space: str, pair: str, chunks: int, tokens: int, nbytes: int,
                    raw_kv_bytes_per_token: int) -> None:
@@ -108,10 +111,10 @@ class StoreStats:
         """A JSON-ready view of the counters and latency histograms of this process."""
         with self._lock:
             fields = {f"c|{n}|{t}|{s}|{p}": v for (n, t, s, p), v in self._values.items()}
-            for (op, tier), counts in self._buckets.items():
+            for (op, tier, pair), counts in self._buckets.items():
                 for i, c in enumerate(counts):
                     if c:
-                        fields[f"h|{op}|{tier}|{i}"] = c
+                        fields[f"h|{op}|{tier}|{pair}|{i}"] = c
         return snapshot_from_fields(fields)
 
     def serve_http(self, port: int, addr: str = "127.0.0.1") -> int:
@@ -143,70 +146,38 @@ def _quantile(counts: list[int], q: float) -> float | None:
 
 
 def snapshot_from_fields(fields: dict[str, int]) -> dict[str, Any]:
-    """Turn ``c|name|tier|space|pair`` / ``h|op|tier|bucket`` fields (local or from Redis) into a snapshot."""
+    """Turn ``c|name|tier|space|pair`` / ``h|op|tier|pair|bucket`` fields (local, from Redis, or several
+    processes' added up) into a snapshot; ``buckets`` keeps the raw histogram counts for merging."""
     counters: list[dict[str, Any]] = []
-    hist: dict[tuple[str, str], list[int]] = {}
+    hist: dict[HistKey, list[int]] = {}
     for field, value in fields.items():
         parts = field.split("|")
         if parts[0] == "c" and len(parts) == 5:
             counters.append({"name": parts[1], "tier": parts[2], "space": parts[3], "pair": parts[4],
                              "value": int(value)})
-        elif parts[0] == "h" and len(parts) == 4 and parts[3].isdigit() and int(parts[3]) < len(LATENCY_BUCKETS):
-            hist.setdefault((parts[1], parts[2]), [0] * len(LATENCY_BUCKETS))[int(parts[3])] += int(value)
+        elif parts[0] == "h" and len(parts) == 5 and parts[4].isdigit() and int(parts[4]) < len(LATENCY_BUCKETS):
+            hist.setdefault((parts[1], parts[2], parts[3]), [0] * len(LATENCY_BUCKETS))[int(parts[4])] += int(value)
     counters.sort(key=lambda c: (c["name"], c["tier"], c["space"], c["pair"]))
-    latency = [{"op": op, "tier": tier, "count": sum(counts), "p50_le_s": _quantile(counts, 0.5),
-                "p99_le_s": _quantile(counts, 0.99)} for (op, tier), counts in sorted(hist.items())]
+    latency = [{"op": op, "tier": tier, "pair": pair, "count": sum(counts), "p50_le_s": _quantile(counts, 0.5),
+                "p99_le_s": _quantile(counts, 0.99), "buckets": counts}
+               for (op, tier, pair), counts in sorted(hist.items())]
     return {"counters": counters, "latency": latency}
 
 
-class RedisStatsMirror:
-    """Adds a :class:`StoreStats`' deltas to the deployment-wide Redis hash ``scd:__stats__``."""
-
-    def __init__(self, url: str, client: Any = None) -> None:
-        from scd_store.store.redis_url import make_sync_client
-
-        self.client = client if client is not None else make_sync_client(url)
-
-    def flush(self, stats: StoreStats) -> int:
-        """HINCRBY every pending delta; on failure the deltas are kept for the next flush. Returns fields sent."""
-        pending = stats.take_pending()
-        if not pending:
-            return 0
-        try:
-            pipe = self.client.pipeline(transaction=False)
-            for field, amount in pending.items():
-                pipe.hincrby(REDIS_STATS_KEY, field, amount)
-            pipe.execute()
-        except Exception:
-            stats.restore_pending(pending)
-            raise
-        return len(pending)
-
-    def read(self) -> dict[str, Any]:
-        raw = self.client.hgetall(REDIS_STATS_KEY)
-        return snapshot_from_fields({(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in raw.items()})
-
-    def close(self) -> None:
-        self.client.close()
+def snapshot_fields(snapshot: dict[str, Any]) -> dict[str, int]:
+    """The inverse of :func:`snapshot_from_fields` (so snapshots can be added up)."""
+    fields = {f"c|{c['name']}|{c['tier']}|{c['space']}|{c['pair']}": int(c["value"]) for c in snapshot["counters"]}
+    for h in snapshot.get("latency", []):
+        for i, count in enumerate(h.get("buckets", [])):
+            if count:
+                fields[f"h|{h['op']}|{h['tier']}|{h.get('pair', '')}|{i}"] = int(count)
+    return fields
 
 
-def read_redis_stats(url: str) -> dict[str, Any]:
-    """The deployment-wide snapshot kept in Redis at ``url``."""
-    mirror = RedisStatsMirror(url)
-    try:
-        return mirror.read()
-    finally:
-        mirror.close()
-
-
-def write_snapshot_file(stats: StoreStats, path: str) -> None:
-    """Write a process's snapshot as JSON (what ``scd-store stats`` reads without Redis)."""
-    import os
-    import tempfile
-
-    directory = os.path.dirname(path) or "."
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(stats.snapshot(), f, indent=1)
-    os.replace(tmp, path)
+def merge_snapshots(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
+    """Counters and histograms of several processes added up."""
+    total: dict[str, int] = defaultdict(int)
+    for snapshot in snapshots:
+        for field, value in snapshot_fields(snapshot).items():
+            total[field] += value
+    return snapshot_from_fields(dict(total))

@@ -22,7 +22,8 @@ from scd_store.store.keys import validate_chunk_size
 from scd_store.store.loop import LoopThread
 from scd_store.store.read_path import ReadPath
 from scd_store.store.registry import Pair, Registry, Space
-from scd_store.store.stats import RedisStatsMirror, StoreStats, write_snapshot_file
+from scd_store.store.stats import StoreStats
+from scd_store.store.stats_sinks import StatsSink
 from scd_store.store.tiers.base import LocalTier, Tier
 from scd_store.store.views import ConsumerView, ProducerView
 from scd_store.store.write_behind import WriteBehind, space_of
@@ -41,8 +42,7 @@ class TieredStore:
                  stats: StoreStats | None = None, op_timeout_s: float = 2.0, put_timeout_s: float = 30.0,
                  queue_size: int | Sequence[int] = 256, writers: int | Sequence[int] = 2,
                  backoff_min_s: float = 0.1, backoff_max_s: float = 5.0,
-                 stats_mirror: RedisStatsMirror | None = None, stats_flush_s: float = 1.0,
-                 snapshot_path: str | None = None) -> None:
+                 stats_sink: StatsSink | None = None, stats_flush_s: float = 1.0) -> None:
         if not tiers:
             raise ValueError("the store needs at least one tier")
         names = [t.name for t in tiers]
@@ -61,9 +61,8 @@ class TieredStore:
         self.write_behind = WriteBehind(self.tiers[1:], self.guard, self.stats,
                                         queue_sizes=_per_tier(queue_size, n)[1:], writers=_per_tier(writers, n)[1:],
                                         put_timeout_s=put_timeout_s)
-        self._mirror = stats_mirror
+        self._sink = stats_sink
         self._stats_flush_s = stats_flush_s
-        self._snapshot_path = snapshot_path
         self._mirror_task: asyncio.Task[None] | None = None
         self._spaces: dict[tuple[str, str], Space] = {}
         self._pairs: dict[tuple[str, str], tuple[Pair, Space]] = {}
@@ -86,8 +85,8 @@ class TieredStore:
             except Exception as exc:  # a tier that cannot start is down, not fatal
                 self.guard.failed(tier, exc)
         await self.write_behind.start()
-        if self._mirror is not None:
-            self._mirror_task = asyncio.ensure_future(self._mirror_loop())
+        if self._sink is not None:
+            self._mirror_task = asyncio.ensure_future(self._sink_loop())
 
     def close(self) -> None:
         """Drain the write queues (up to ``put_timeout_s``), flush stats, stop the loop."""
@@ -99,13 +98,11 @@ class TieredStore:
         with contextlib.suppress(Exception):
             self._loop.run(self._stop(), timeout=self.put_timeout_s)
         self._loop.stop()
-        if self._mirror is not None:
+        if self._sink is not None:
             with contextlib.suppress(Exception):
-                self._mirror.flush(self.stats)
-            self._mirror.close()
-        if self._snapshot_path:
-            with contextlib.suppress(OSError):
-                write_snapshot_file(self.stats, self._snapshot_path)
+                self._sink.flush(self.stats)
+            with contextlib.suppress(Exception):
+                self._sink.close()
 
     async def _stop(self) -> None:
         if self._mirror_task is not None:
@@ -191,24 +188,24 @@ class TieredStore:
         return [k for k, _ in items]
 
     # ----------------------------------------------------------------- stats
-    async def _mirror_loop(self) -> None:
-        assert self._mirror is not None
+    async def _sink_loop(self) -> None:
+        assert self._sink is not None
         loop = asyncio.get_running_loop()
         failing = False
         while True:
             await asyncio.sleep(self._stats_flush_s)
             try:
-                await loop.run_in_executor(None, self._mirror.flush, self.stats)
+                await loop.run_in_executor(None, self._sink.flush, self.stats)
                 failing = False
             except Exception as exc:
                 if not failing:
-                    log.warning("store stats mirror to Redis failed (%s); will keep retrying", exc)
+                    log.warning("store stats sink %s failed (%s); will keep retrying", type(self._sink).__name__, exc)
                 failing = True
 
     def flush_stats(self) -> None:
-        """Push pending counter deltas to Redis now (when a mirror is configured)."""
-        if self._mirror is not None:
-            self._mirror.flush(self.stats)
+        """Hand the counters to the stats sink now (Redis or this process's snapshot file)."""
+        if self._sink is not None:
+            self._sink.flush(self.stats)
 
     def _on_evict(self, tier_name: str, key: str, nbytes: int) -> None:
         self.stats.inc("evictions", tier=tier_name, space=space_of(key))

@@ -84,7 +84,7 @@ def test_a_codec_refusal_ends_the_run_and_is_counted(store, bundle, tmp_path):
     # overwrite chunk 1 with a payload of another space under a valid blob header of this space
     store.producer("tiny-space", PRODUCER).put([HASHES[1]], [bad.encode(parts[1])], [8], codec_id=bad.codec_id)
     assert len(service.get("consumer-a", HASHES)) == 1
-    assert store.stats.value("corrupt_blobs") == 1
+    assert store.stats.value("refused_chunks", pair="tiny-space/consumer-a") == 1
 
 
 def test_bad_configuration_fails_loudly(store, bundle, tmp_path):
@@ -129,9 +129,9 @@ def test_chunks_decode_into_engine_buffers_and_a_refused_chunk_ends_the_run(stor
     assert [s.start for s in got] == [0, 8, 16] and got[1].keys.data_ptr() == keys[:, :, 8:].data_ptr()
     # a caller out of room ends the run; buffers of the wrong token count are a refused chunk (counted)
     assert len(service.get("consumer-a", HASHES, into=lambda i, n: None if i == 1 else into(i, n))) == 1
-    before = store.stats.value("corrupt_blobs")
+    before = store.stats.value("refused_chunks")
     assert service.get("consumer-a", HASHES, into=lambda i, n: (keys[:, :, :n - 1], values[:, :, :n - 1])) == []
-    assert store.stats.value("corrupt_blobs") == before + 1
+    assert store.stats.value("refused_chunks") == before + 1
 
 
 def test_submitted_puts_are_stored_off_the_callers_thread(store, bundle):

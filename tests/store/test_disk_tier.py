@@ -44,6 +44,7 @@ def test_index_rebuilt_on_start_and_temp_files_removed(tmp_path) -> None:
         os.utime(tier.path_for(key), (1000 + i, 1000 + i))
     stale = tier.path_for(KEYS[0]).with_name("leftover.abc.tmp")
     stale.write_bytes(b"half")
+    os.utime(stale, (1000, 1000))  # hours old: its writer is long gone
     again = DiskTier(tmp_path, 25)  # smaller bound: the oldest file goes
     run(again.start())
     assert not stale.exists()
@@ -60,3 +61,57 @@ def test_write_is_atomic_rename(tmp_path) -> None:
     assert tier.usage().bytes_used == 9
     leftovers = [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")]
     assert leftovers == []
+
+
+def test_a_blob_another_process_wrote_is_found(tmp_path) -> None:
+    first, second = DiskTier(tmp_path, 1 << 20), DiskTier(tmp_path, 1 << 20)  # two processes, one directory
+    run(first.start())
+    run(second.start())
+    run(first.put(KEYS[0], b"written after the second one started"))
+    assert run(second.contains_many(KEYS[:2])) == [True, False]
+    assert run(second.get(KEYS[0])) == b"written after the second one started"
+    assert second.usage().items == 1 and second.usage().bytes_used == 36
+    run(first.delete(KEYS[0]))
+    assert run(second.get(KEYS[0])) is None and second.usage().items == 0  # gone from disk: forgotten
+
+
+def test_temp_files_of_live_writers_survive_a_start(tmp_path) -> None:
+    tier = DiskTier(tmp_path, 1 << 20)
+    run(tier.start())
+    run(tier.put(KEYS[0], b"x"))
+    folder = tier.path_for(KEYS[0]).parent
+    live = folder / f"blob.scdb.{os.getpid()}.aaaa.tmp"  # this process, mid-write
+    dead = folder / "blob.scdb.999999999.bbbb.tmp"  # no such process
+    for path in (live, dead):
+        path.write_bytes(b"half")
+    run(DiskTier(tmp_path, 1 << 20).start())
+    assert live.exists() and not dead.exists()
+
+
+def test_a_rescan_keeps_the_byte_bound_across_processes(tmp_path) -> None:
+    first, second = DiskTier(tmp_path, 100, rescan_s=None), DiskTier(tmp_path, 100, rescan_s=None)
+    run(first.start())
+    run(second.start())
+    for i in range(3):
+        run(first.put(KEYS[i], b"a" * 30))
+        os.utime(first.path_for(KEYS[i]), (1000 + i, 1000 + i))
+        run(second.put(KEYS[5 + i], b"b" * 30))
+    on_disk = sum(p.stat().st_size for p in tmp_path.rglob("*.scdb"))
+    assert on_disk == 180  # each process alone is within its bound
+    second.rebuild_index()  # what the periodic rescan does
+    assert sum(p.stat().st_size for p in tmp_path.rglob("*.scdb")) <= 100
+    assert not first.path_for(KEYS[0]).exists()  # the least recently used went first
+
+
+def test_the_rescan_runs_in_the_background(tmp_path) -> None:
+    async def go() -> int:
+        first, second = DiskTier(tmp_path, 1 << 20), DiskTier(tmp_path, 1 << 20, rescan_s=0.05)
+        await first.start()
+        await second.start()
+        await first.put(KEYS[0], b"new")
+        await asyncio.sleep(0.3)
+        items = second.usage().items
+        await second.close()
+        return items
+
+    assert run(go()) == 1

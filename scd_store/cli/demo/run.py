@@ -127,6 +127,7 @@ def serve_consumer(service: KVService, consumer: LoadedModel, prefix_ids: torch.
         read_before = service.store.stats.value("bytes_read")
         t0 = time.perf_counter()
         buffer = PrefixBuffer(consumer.model, len(prefix_ids))  # the chunks decode straight into it
+        service.contains(consumer.name, hashes, tokens=len(hashes) * DEMO_CHUNK)  # the engine's lookup
         states = service.get(consumer.name, hashes, into=buffer)
         covered = sum(s.num_tokens for s in states)
         state = buffer.state(covered)
@@ -185,9 +186,9 @@ def run_demo(config: DemoConfig) -> int:
                       f"({bundle.name}).")
         for consumer in consumers:
             serve_consumer(service, consumer, prefix_ids, hashes, config, console)
-        from scd_store.cli.store_cmds import print_stats
+        from scd_store.cli.stats_cmd import print_view
 
-        print_stats(store.stats.snapshot(), "this demo run")
+        print_view(store.stats.snapshot(), "this demo run")
     finally:
         store.close()
     return 0

@@ -1,15 +1,24 @@
 """The disk tier: one file per blob under a root directory, byte-bounded with LRU eviction.
 
 Files live at ``root/<space_id>/<hash[:2]>/<hash>.scdb``. Writes go to a unique temp file in the
-same directory and are renamed into place, so a reader sees the old file, the new file or none,
-never half a file. On start the index is rebuilt from the directory (least recently modified
-first) and stale temp files are removed.
+same directory (named with the writer's pid) and are renamed into place, so a reader sees the old
+file, the new file or none, never half a file.
+
+Several processes on one host may share one directory (the embedded default): a key missing from
+this process's index is looked up on disk, so blobs another process wrote are found; a hit sets
+the file's mtime, so recency is shared. The index is rebuilt from the directory on start and every
+``rescan_s`` (least recently used first), and the byte bound is enforced over everything found,
+so the directory stays within ``max_bytes`` across processes (between rescans, each process adds
+only what it writes or finds). Temp files are removed only when their writer is gone or they are
+older than an hour: never another live process's write in flight.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
+import time
 import uuid
 from collections import OrderedDict
 from pathlib import Path
@@ -22,6 +31,54 @@ from scd_store.store.tiers.base import Tier, TierError, TierUsage
 
 SUFFIX = ".scdb"
 TMP_SUFFIX = ".tmp"
+STALE_TMP_S = 3600.0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def stale_temp_file(name: str, mtime: float, now: float) -> bool:
+    """Whether a temp file (``<blob>.<pid>.<uuid>.tmp``) is left over: its writer is gone, or it is old."""
+    if now - mtime > STALE_TMP_S:
+        return True
+    parts = name.split(".")
+    return len(parts) >= 4 and parts[-3].isdigit() and not _alive(int(parts[-3]))
+
+
+def scan(root: Path) -> list[tuple[float, str, int]]:
+    """``(mtime, key, size)`` of every blob file under ``root``; leftover temp files are removed."""
+    found: list[tuple[float, str, int]] = []
+    now = time.time()
+    for dirpath, _, files in os.walk(root):
+        for fname in files:
+            path = os.path.join(dirpath, fname)
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            if fname.endswith(TMP_SUFFIX):
+                if stale_temp_file(fname, st.st_mtime, now):
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+                continue
+            if not fname.endswith(SUFFIX):
+                continue
+            space_id = os.path.basename(os.path.dirname(dirpath))
+            key = f"scd:{space_id}:{fname[:-len(SUFFIX)]}"
+            try:
+                parse_key(key)
+            except ValueError:
+                continue
+            found.append((st.st_mtime, key, st.st_size))
+    found.sort()
+    return found
 
 
 class DiskTier(Tier):
@@ -30,16 +87,20 @@ class DiskTier(Tier):
     kind = "disk"
 
     def __init__(self, root: str | os.PathLike[str], max_bytes: int, *, fsync: bool = False,
-                 name: str | None = None) -> None:
+                 rescan_s: float | None = 60.0, name: str | None = None) -> None:
         super().__init__(name)
         if max_bytes <= 0:
             raise ValueError(f"disk tier max_bytes must be > 0, got {max_bytes}")
+        if rescan_s is not None and rescan_s <= 0:
+            raise ValueError(f"disk tier rescan_s must be > 0 (or None: never), got {rescan_s}")
         self.root = Path(root)
         self.max_bytes = max_bytes
         self.fsync = fsync
+        self.rescan_s = rescan_s
         self._index: OrderedDict[str, int] = OrderedDict()
         self._bytes = 0
         self._started = False
+        self._rescan_task: asyncio.Task[None] | None = None
 
     def path_for(self, key: str) -> Path:
         space_id, hex_ = parse_key(key)
@@ -48,6 +109,14 @@ class DiskTier(Tier):
     async def start(self) -> None:
         self.rebuild_index()
         self._started = True
+        if self.rescan_s is not None:
+            self._rescan_task = asyncio.ensure_future(self._rescan_loop())
+
+    async def close(self) -> None:
+        if self._rescan_task is not None:
+            self._rescan_task.cancel()
+            await asyncio.gather(self._rescan_task, return_exceptions=True)
+            self._rescan_task = None
 
     def rebuild_index(self) -> None:
         """Scan the directory: index every blob file by mtime, delete leftover temp files."""
@@ -55,28 +124,32 @@ class DiskTier(Tier):
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise TierError(f"disk tier cannot create {self.root}: {exc}") from exc
-        found: list[tuple[float, str, int]] = []
-        for dirpath, _, files in os.walk(self.root):
-            for fname in files:
-                path = os.path.join(dirpath, fname)
-                if fname.endswith(TMP_SUFFIX):
-                    with contextlib.suppress(OSError):
-                        os.unlink(path)
-                    continue
-                if not fname.endswith(SUFFIX):
-                    continue
-                space_id = os.path.basename(os.path.dirname(dirpath))
-                key = f"scd:{space_id}:{fname[:-len(SUFFIX)]}"
-                try:
-                    parse_key(key)
-                    st = os.stat(path)
-                except (ValueError, OSError):
-                    continue
-                found.append((st.st_mtime, key, st.st_size))
-        found.sort()
+        self._adopt(scan(self.root))
+
+    def _adopt(self, found: list[tuple[float, str, int]]) -> None:
         self._index = OrderedDict((key, size) for _, key, size in found)
         self._bytes = sum(self._index.values())
         self._evict_to(self.max_bytes)
+
+    async def _rescan_loop(self) -> None:
+        assert self.rescan_s is not None
+        while True:
+            await asyncio.sleep(self.rescan_s)
+            with contextlib.suppress(OSError):
+                self._adopt(await asyncio.to_thread(scan, self.root))
+
+    def _find(self, key: str) -> bool:
+        """Whether ``key`` is indexed, or on disk (another process wrote it): then it is indexed now."""
+        if key in self._index:
+            return True
+        try:
+            size = os.stat(self.path_for(key)).st_size
+        except OSError:
+            return False
+        self._index[key] = size
+        self._bytes += size
+        self._evict_to(self.max_bytes)
+        return key in self._index
 
     def _evict_to(self, limit: int) -> None:
         while self._bytes > limit and self._index:
@@ -87,18 +160,20 @@ class DiskTier(Tier):
             self._evicted(victim, size)
 
     async def get(self, key: str) -> bytes | None:
-        if key not in self._index:
+        if not self._find(key):
             return None
         path = self.path_for(key)
         try:
             async with aiofiles.open(path, "rb") as f:
                 data = await f.read()
-        except FileNotFoundError:
+        except FileNotFoundError:  # another process evicted it
             self._forget(key)
             return None
         except OSError as exc:
             raise TierError(f"disk tier read {path}: {exc}") from exc
         self._index.move_to_end(key)
+        with contextlib.suppress(OSError):
+            os.utime(path)  # recency every process sees
         return data
 
     async def put(self, key: str, value: bytes) -> None:
@@ -106,7 +181,7 @@ class DiskTier(Tier):
         if size > self.max_bytes:
             return
         path = self.path_for(key)
-        tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex}{TMP_SUFFIX}")
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.{uuid.uuid4().hex}{TMP_SUFFIX}")
         try:
             await aiofiles.os.makedirs(path.parent, exist_ok=True)
             async with aiofiles.open(tmp, "wb") as f:
@@ -130,14 +205,14 @@ class DiskTier(Tier):
             self._bytes -= size
 
     async def contains(self, key: str) -> bool:
-        return key in self._index
+        return self._find(key)
 
     async def contains_many(self, keys: list[str]) -> list[bool]:  # type: ignore[override]
         index = self._index
-        return [k in index for k in keys]
+        return [k in index or self._find(k) for k in keys]
 
     async def delete(self, key: str) -> bool:
-        present = key in self._index
+        present = self._find(key)
         self._forget(key)
         try:
             await aiofiles.os.remove(self.path_for(key))

@@ -1,0 +1,49 @@
+"""Per-process stats: snapshot files on one host add up, each process keeps its own row."""
+
+from __future__ import annotations
+
+import json
+
+from scd_store.store.stats import StoreStats, merge_snapshots
+from scd_store.store.stats_sinks import ProcessInfo, SnapshotFiles, read_snapshot_files
+
+
+def counted(requested: int, hit: int, decode_s: float) -> StoreStats:
+    stats = StoreStats()
+    stats.inc("requested_tokens", requested, space="s", pair="s/c")
+    stats.record_hit(tier="cpu", space="s", pair="s/c", chunks=hit // 256, tokens=hit, nbytes=1000,
+                     raw_kv_bytes_per_token=10)
+    stats.observe("decode", decode_s, pair="s/c")
+    return stats
+
+
+def test_two_processes_files_add_up(tmp_path):
+    a, b = ProcessInfo("host", 100, "engine-a"), ProcessInfo("host", 200, "engine-b")
+    SnapshotFiles(tmp_path, a).flush(counted(1024, 512, 0.002))
+    SnapshotFiles(tmp_path, b).flush(counted(512, 512, 0.02))
+    (tmp_path / "garbage.json").write_text("{not json")  # skipped, not fatal
+    view = read_snapshot_files(tmp_path)
+    assert sorted(p["process"]["id"] for p in view["processes"]) == ["host-100", "host-200"]
+    total = {c["name"]: c["value"] for c in view["counters"] if c["pair"] == "s/c"}
+    assert total["requested_tokens"] == 1536 and total["hit_tokens"] == 1024
+    (decode,) = [h for h in view["latency"] if h["op"] == "decode"]
+    assert decode["count"] == 2 and decode["pair"] == "s/c" and decode["p99_le_s"] == 0.025
+
+
+def test_a_flush_rewrites_the_whole_snapshot(tmp_path):
+    stats = counted(256, 256, 0.001)
+    sink = SnapshotFiles(tmp_path, ProcessInfo("h", 1, "p"))
+    sink.flush(stats)
+    stats.inc("requested_tokens", 256, space="s", pair="s/c")
+    sink.flush(stats)
+    data = json.loads(sink.path.read_text())
+    assert data["process"]["name"] == "p" and data["process"]["updated"] >= data["process"]["started"]
+    assert {c["name"]: c["value"] for c in data["counters"]}["requested_tokens"] == 512
+    assert list(tmp_path.iterdir()) == [sink.path]  # no temp files left
+
+
+def test_merging_keeps_histograms_exact():
+    one, two = counted(1, 1, 0.0001).snapshot(), counted(1, 1, 0.5).snapshot()
+    merged = merge_snapshots([one, two])
+    (decode,) = [h for h in merged["latency"] if h["op"] == "decode"]
+    assert decode["count"] == 2 and decode["p50_le_s"] == 0.0001 and decode["p99_le_s"] == 0.5
