@@ -217,3 +217,18 @@ def test_the_async_lookup_and_load_hooks_answer_like_the_blocking_ones(setup):
         obj.ref_count_down()
     absent = [key for _, _, key in consumer.token_database.process_tokens(torch.arange(9000, 9000 + CHUNK))]
     assert asyncio.run(plugin.batched_get_non_blocking("lookup-2", absent + keys)) == []  # no leading hit
+
+
+def test_a_consumer_engine_that_chunks_differently_fails_loudly(setup, caplog):
+    """Another chunk size is another hash chain: the consumer's plugin refuses to start and says why."""
+    bundle, store_yaml, instances = setup
+    kv = producer_kv()
+    name, producer = make_engine(PRODUCER, plugin_config([bundle], store_yaml, CHUNK), kv, HEADS)
+    instances.append(name)
+    with caplog.at_level(logging.ERROR):
+        name, consumer = make_engine("consumer-a", plugin_config([bundle], store_yaml, CHUNK // 2),
+                                     torch.zeros_like(kv), HEADS)
+    instances.append(name)
+    assert scd_backend(consumer) is None  # LMCache logs a plugin that fails to construct and goes on without it
+    assert f"chunk size: producer {CHUNK}, here {CHUNK // 2}" in caplog.text
+    assert scd_backend(producer).service.store.stats.value("hash_mismatch") == 1

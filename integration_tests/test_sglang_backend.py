@@ -244,3 +244,16 @@ def test_bad_configuration_and_unsupported_engines_fail_loudly(env):
     with pytest.raises(SettingsError, match="not supported"):
         backend.register_mem_pool_host(odd)
     backend.close()
+
+
+def test_a_consumer_with_another_page_size_fails_loudly(env):
+    bundle, store_yaml = env
+    producer = make_backend(PRODUCER, bundle, store_yaml)
+    producer.register_mem_pool_host(HostPool("layer_first"))  # records the producer's page hashing
+    consumer = make_backend("consumer-a", bundle, store_yaml)
+    other = HostPool("layer_first")
+    other.page_size = PAGE // 2
+    with pytest.raises(SettingsError, match=f"chunk size: producer {PAGE}, here {PAGE // 2}"):
+        consumer.register_mem_pool_host(other)
+    for backend in (producer, consumer):
+        backend.close()

@@ -35,6 +35,7 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
+from scd_store.adapters.lmcache.hashing import lmcache_canary
 from scd_store.adapters.lmcache.layout import chunk_hash_bytes, kv_2ltd_views, state_from_kv_2ltd
 from scd_store.codecs.kv_state import KVState
 from scd_store.service import EngineSettings, SettingsError, acquire_service, release_service
@@ -57,6 +58,7 @@ class ScdStoragePlugin(StoragePluginInterface):
             try:
                 self.model = metadata.model_name
                 self._check_layout(metadata)
+                self.service.check_hashing(self.model, lmcache_canary(config))
             except BaseException:
                 release_service(self.service)
                 raise

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
+from scd_store.adapters.sglang.hashing import sglang_canary
 from scd_store.adapters.sglang.pages import LAYOUTS, flat_page, page_hash_bytes, read_page, write_page
 from scd_store.codecs.kv_state import KVState
 from scd_store.service import EngineSettings, SettingsError, acquire_service, release_service
@@ -91,6 +92,11 @@ class ScdHiCacheStorage(HiCacheStorage):
             if got != self.binding.space.layout.geometry:
                 raise SettingsError(f"host pool (layers, heads, head_dim) {got} does not match space "
                                     f"{self.binding.space.space_id!r}: {self.binding.space.layout.geometry}")
+            try:
+                self.service.check_hashing(self.model, sglang_canary(mem_pool_host.page_size))
+            except SettingsError as exc:
+                log.error("scd-store SGLang backend: %s", exc)
+                raise
         self.mem_pool_host = mem_pool_host
 
     def _role(self) -> str:

@@ -20,6 +20,7 @@ from scd_store.codecs.kv_state import KVState
 from scd_store.codecs.tensor_pack import PayloadError
 from scd_store.service.bindings import Binding, Bindings
 from scd_store.service.bundles import bind_bundle
+from scd_store.service.hash_agreement import HashAgreement, HashCanary
 from scd_store.service.put_queue import PutJob, PutQueue
 from scd_store.store.tiered import TieredStore
 from scd_store.store.views import ConsumerView, ProducerView
@@ -57,6 +58,7 @@ class KVService:
                 self.bindings.add(binding)
         store.forget_registry_cache()
         self.puts = PutQueue(self._run_put, store.stats, max_chunks=put_queue_chunks)
+        self.hashing = HashAgreement(store.registry, store.stats)
         self._warned: set[str] = set()
 
     @property
@@ -90,6 +92,13 @@ class KVService:
         if what not in self._warned:
             self._warned.add(what)
             log.warning(message, *args)
+
+    def check_hashing(self, model: str, canary: HashCanary) -> None:
+        """An engine's hashing canary: recorded for a producer, compared for a consumer (raises
+        :class:`~scd_store.service.hash_agreement.HashMismatch` when it differs from its producer's)."""
+        binding = self.binding(model)
+        if binding is not None:
+            self.hashing.check(binding, canary)
 
     # ----------------------------------------------------------------- lifecycle
     def drain(self, timeout: float | None = None) -> bool:
@@ -165,6 +174,8 @@ class KVService:
             return 0
         if binding.role == "producer":
             return self._producer(binding).contains(hashes)
+        if not self.hashing.ok(binding):
+            return 0
         if tokens:
             self.store.stats.inc("requested_tokens", tokens, space=binding.space.space_id, pair=binding.pair_id)
         return self._consumer(binding).contains(hashes)
@@ -186,6 +197,8 @@ class KVService:
         if binding is None or binding.role != "consumer":
             self.store.stats.inc("refused_requests")
             log.info("scd-store: %r is not a registered consumer; miss", model)
+            return []
+        if not self.hashing.ok(binding):
             return []
         started = time.perf_counter()
         deadline = started + self.get_deadline_s if self.get_deadline_s is not None else float("inf")

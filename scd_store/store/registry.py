@@ -1,7 +1,8 @@
 """Registry of code spaces and pairs: in Redis when configured, else a local JSON file.
 
 A space is written by exactly one producer model; a pair maps a consumer model to one space. A
-consumer that is not registered for a space gets :class:`NotRegistered`, never codes.
+consumer that is not registered for a space gets :class:`NotRegistered`, never codes. A space's
+producer also records its engine's hashing canary, so consumers can check they hash alike.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from typing import Any
 
 from scd_store.store.keys import validate_space_id
 
-REDIS_SPACES = "scd:__registry__:spaces"
-REDIS_PAIRS = "scd:__registry__:pairs"
+REDIS_PREFIX = "scd:__registry__"
+REDIS_SPACES = f"{REDIS_PREFIX}:spaces"
+REDIS_PAIRS = f"{REDIS_PREFIX}:pairs"
+KINDS = ("spaces", "pairs", "canaries")  # canaries: each space's producer hashing, per engine
 
 
 class RegistryError(ValueError):
@@ -140,6 +143,15 @@ class Registry(ABC):
                                 f"producer {space.producer_model_id!r} writes there (consumers never write)")
         return space
 
+    def record_canary(self, space_id: str, engine: str, record: dict[str, Any]) -> None:
+        """The hashing canary of ``space_id``'s producer under ``engine`` (replaces an older one)."""
+        self._store("canaries", f"{space_id}|{engine}", record, True)
+
+    def canaries(self, space_id: str) -> dict[str, dict[str, Any]]:
+        """Every engine's canary recorded for ``space_id``, by engine name."""
+        prefix = f"{space_id}|"
+        return {k[len(prefix):]: v for k, v in self._all("canaries").items() if k.startswith(prefix)}
+
     def spaces(self) -> list[Space]:
         return [_space(r) for _, r in sorted(self._all("spaces").items())]
 
@@ -158,12 +170,14 @@ class FileRegistry(Registry):
         try:
             data = json.loads(self.path.read_text())
         except FileNotFoundError:
-            return {"spaces": {}, "pairs": {}}
+            return {kind: {} for kind in KINDS}
         except (OSError, ValueError) as exc:
             raise RegistryError(f"registry file {self.path} is unreadable: {exc}") from exc
         if not isinstance(data, dict) or not isinstance(data.get("spaces"), dict) or not isinstance(
                 data.get("pairs"), dict):
             raise RegistryError(f"registry file {self.path} is malformed (expected spaces and pairs objects)")
+        for kind in KINDS:
+            data.setdefault(kind, {})
         return data
 
     @contextlib.contextmanager
@@ -209,7 +223,7 @@ class RedisRegistry(Registry):
         self.client = client if client is not None else make_sync_client(url)
 
     def _hash(self, kind: str) -> str:
-        return REDIS_SPACES if kind == "spaces" else REDIS_PAIRS
+        return {"spaces": REDIS_SPACES, "pairs": REDIS_PAIRS}.get(kind, f"{REDIS_PREFIX}:{kind}")
 
     def _load(self, kind: str, ident: str) -> dict[str, Any] | None:
         raw = self.client.hget(self._hash(kind), ident)
