@@ -232,3 +232,45 @@ def test_a_consumer_engine_that_chunks_differently_fails_loudly(setup, caplog):
     assert scd_backend(consumer) is None  # LMCache logs a plugin that fails to construct and goes on without it
     assert f"chunk size: producer {CHUNK}, here {CHUNK // 2}" in caplog.text
     assert scd_backend(producer).service.store.stats.value("hash_mismatch") == 1
+
+
+def test_tenants_tagged_apart_never_read_each_others_codes(setup):
+    bundle, store_yaml, instances = setup
+    config = plugin_config([bundle], store_yaml, CHUNK)
+    kv = producer_kv()
+    tokens = torch.arange(700, 700 + TOKENS)
+    name, producer = make_engine(PRODUCER, config, kv, HEADS)
+    instances.append(name)
+    producer.store(tokens, request_configs={"lmcache.tag.tenant": "acme"})
+    assert scd_backend(producer).drain(timeout=30)
+    name, consumer = make_engine("consumer-a", config, torch.zeros_like(kv), HEADS)
+    instances.append(name)
+    assert consumer.lookup(tokens, request_configs={"lmcache.tag.tenant": "acme"}) == TOKENS
+    assert consumer.lookup(tokens, request_configs={"lmcache.tag.tenant": "globex"}) == 0
+    assert consumer.lookup(tokens) == 0  # untagged is a namespace of its own too
+
+
+def test_a_lora_adapter_on_the_base_engine_reads_as_its_pair_and_never_writes(setup):
+    """LMCache keys carry no LoRA id: on an engine that serves adapters each request names its model
+    with the lmcache.tag.scd_model tag; an untagged request is neither stored nor served."""
+    bundle, store_yaml, instances = setup
+    config = plugin_config([bundle], store_yaml, CHUNK, serves_adapters=True)
+    kv = producer_kv()
+    tokens = torch.arange(900, 900 + TOKENS)
+    name, base = make_engine(PRODUCER, config, kv, HEADS)  # one engine: the base model and its adapters
+    instances.append(name)
+    plugin = scd_backend(base)
+    base.store(tokens)  # which model? unknown: not stored
+    # an adapter's own KV (other tokens: LMCache's own CPU tier keeps its raw copy): never coded
+    base.store(tokens + 10_000, request_configs={"lmcache.tag.scd_model": "consumer-a"})
+    assert plugin.drain(timeout=30) and plugin.service.store.stats.value("puts") == 0
+    assert plugin.service.store.stats.value("unattributed_chunks") == 3
+    base.store(tokens, request_configs={"lmcache.tag.scd_model": PRODUCER})
+    assert plugin.drain(timeout=30) and plugin.service.store.stats.value("puts") == 3
+    want = expected_consumer_kv(bundle, "consumer-a", kv)
+    kv.zero_()  # the engine's buffer now serves the adapter's request
+    adapter = {"lmcache.tag.scd_model": "consumer-a"}
+    assert base.lookup(tokens, request_configs=adapter) == TOKENS  # LMCache's own tiers hold no adapter KV
+    base.retrieve(tokens, request_configs=adapter)
+    assert torch.equal(kv, want)
+    assert base.lookup(torch.arange(5000, 5000 + TOKENS), request_configs=adapter) == 0

@@ -257,3 +257,32 @@ def test_a_consumer_with_another_page_size_fails_loudly(env):
         consumer.register_mem_pool_host(other)
     for backend in (producer, consumer):
         backend.close()
+
+
+def test_tenant_namespaces_keep_pages_apart_and_an_adapter_serving_producer_stores_nothing(env):
+    """SGLang seeds a request's page chain with its namespace (extra_key, which carries the LoRA id, and
+    cache_salt): the same tokens of two tenants are other keys. A storage backend is told no request's
+    identity, so on a server that serves adapters nothing can be attributed to the base model."""
+    from sglang.srt.mem_cache.utils import get_hash_str, storage_namespace_seed
+
+    bundle, store_yaml = env
+    tokens = list(range(PAGES * PAGE))
+    acme = get_hash_str(tokens, storage_namespace_seed("acme", None), page_size=PAGE)
+    globex = get_hash_str(tokens, storage_namespace_seed("globex", None), page_size=PAGE)
+    producer = make_backend(PRODUCER, bundle, store_yaml)
+    pool = HostPool("layer_first")
+    producer.register_mem_pool_host(pool)
+    fill_producer(pool, host_base=0)
+    assert producer.batch_set_v1(acme, torch.arange(PAGES * PAGE), HiCacheStorageExtraInfo(prefix_keys=[])) == [
+        True] * PAGES
+    assert producer.drain(timeout=30)
+    consumer = make_backend("consumer-a", bundle, store_yaml)
+    consumer.register_mem_pool_host(HostPool("layer_first"))
+    assert consumer.batch_exists(acme) == PAGES and consumer.batch_exists(globex) == 0
+    serving = make_backend(PRODUCER, bundle, store_yaml, serves_adapters=True)
+    serving.register_mem_pool_host(pool)
+    assert serving.batch_set_v1(globex, torch.arange(PAGES * PAGE), HiCacheStorageExtraInfo(prefix_keys=[])) == [
+        False] * PAGES
+    assert serving.service.store.stats.value("unattributed_chunks") == PAGES
+    for backend in (producer, consumer, serving):
+        backend.close()

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
 import xxhash
 
 from scd_store.codecs.kv_state import KVState
 
 
-def chunk_hash_bytes(chunk_hash: int) -> bytes:
-    """A 16-byte store hash for LMCache's integer chunk hash (which already chains over the prefix)."""
-    return xxhash.xxh3_128(b"lmcache/chunk/%d" % int(chunk_hash)).digest()
+def chunk_hash_bytes(chunk_hash: int, namespace: tuple[tuple[str, str], ...] = ()) -> bytes:
+    """A 16-byte store hash for LMCache's integer chunk hash (which already chains over the prefix), in
+    a tenant ``namespace`` (LMCache's request tags): other tags, other hashes."""
+    data = b"lmcache/chunk/%d" % int(chunk_hash)
+    if namespace:
+        data += b"|tags|" + json.dumps(sorted(namespace), separators=(",", ":")).encode()
+    return xxhash.xxh3_128(data).digest()
 
 
 def state_from_kv_2ltd(tensor: torch.Tensor, num_kv_heads: int, start: int) -> KVState:

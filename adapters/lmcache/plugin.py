@@ -36,6 +36,7 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from scd_store.adapters.lmcache.hashing import lmcache_canary
+from scd_store.adapters.lmcache.identity import ChunkIdentity, batch_identity, key_identity
 from scd_store.adapters.lmcache.layout import chunk_hash_bytes, kv_2ltd_views, state_from_kv_2ltd
 from scd_store.codecs.kv_state import KVState
 from scd_store.service import EngineSettings, SettingsError, acquire_service, release_service
@@ -54,6 +55,7 @@ class ScdStoragePlugin(StoragePluginInterface):
         try:
             self._check_engine(config, metadata, local_cpu_backend)
             settings = EngineSettings.from_mapping(config.extra_config or {}, prefix=SETTINGS_PREFIX)
+            self.model_tag, self.serves_adapters = settings.model_tag, settings.serves_adapters
             self.service = acquire_service(settings)
             try:
                 self.model = metadata.model_name
@@ -105,9 +107,26 @@ class ScdStoragePlugin(StoragePluginInterface):
             self._warned.add(what)
             log.warning(message, *args)
 
-    def _is_consumer(self, model: str) -> bool:
-        binding = self.service.binding(model)
-        return binding is not None and binding.role == "consumer"
+    def _identity(self, keys: Sequence[CacheEngineKey]) -> ChunkIdentity:
+        identity = batch_identity(keys, self.model_tag, self.serves_adapters)
+        if identity.model is None:
+            self._warn_once("unattributed", "scd-store: a request without the lmcache.tag.%s tag on an engine that "
+                            "serves adapters (serves_adapters) cannot be attributed to a model: not stored or served "
+                            "(counted as unattributed_chunks; logged once)", self.model_tag)
+            self.service.store.stats.inc("unattributed_chunks", len(keys))
+        return identity
+
+    def _consumer(self, keys: Sequence[CacheEngineKey]) -> ChunkIdentity | None:
+        """The identity of a consumer's batch, or None when the batch is no registered consumer's."""
+        if not keys:
+            return None
+        identity = self._identity(keys)
+        binding = self.service.binding(identity.model) if identity.model is not None else None
+        return identity if binding is not None and binding.role == "consumer" else None
+
+    @staticmethod
+    def _hashes(keys: Sequence[CacheEngineKey], identity: ChunkIdentity) -> list[bytes]:
+        return [chunk_hash_bytes(k.chunk_hash, identity.namespace) for k in keys]
 
     def _start(self, obj: MemoryObj) -> int | None:
         """The chunk's absolute start position from ``cached_positions``, or None when the engine gave
@@ -134,13 +153,15 @@ class ScdStoragePlugin(StoragePluginInterface):
         return self.batched_contains([key], pin) == 1
 
     def batched_contains(self, keys: list[CacheEngineKey], pin: bool = False) -> int:
-        if not keys or not self._is_consumer(keys[0].model_name):
+        identity = self._consumer(keys)
+        if identity is None:
             return 0
-        return self.service.contains(keys[0].model_name, [chunk_hash_bytes(k.chunk_hash) for k in keys],
+        return self.service.contains(identity.model, self._hashes(keys, identity),
                                      tokens=len(keys) * self.metadata.kv_shape[2])
 
     def exists_in_put_tasks(self, key: CacheEngineKey) -> bool:
-        return self.service.puts.pending(chunk_hash_bytes(key.chunk_hash))
+        identity = key_identity(key, self.model_tag, self.serves_adapters)
+        return self.service.puts.pending(chunk_hash_bytes(key.chunk_hash, identity.namespace))
 
     def batched_submit_put_task(self, keys: Sequence[CacheEngineKey], objs: list[MemoryObj], transfer_spec: Any = None,
                                 on_complete_callback: Callable[[CacheEngineKey], None] | None = None) -> None:
@@ -148,8 +169,9 @@ class ScdStoragePlugin(StoragePluginInterface):
         engine's thread, holding a reference on each memory object until then."""
         if not keys:
             return None
-        model = keys[0].model_name
-        binding = self.service.binding(model)
+        identity = self._identity(keys)
+        model = identity.model
+        binding = self.service.binding(model) if model is not None else None
         if binding is None or binding.role != "producer":
             return None  # consumers never write; their own chunks stay in LMCache's other tiers
         if any(obj.metadata.fmt != MemoryFormat.KV_2LTD for obj in objs):
@@ -176,8 +198,7 @@ class ScdStoragePlugin(StoragePluginInterface):
                 for key in keys[:stored]:
                     on_complete_callback(key)
 
-        self.service.submit_put(model, [chunk_hash_bytes(k.chunk_hash) for k in keys], states, release=release,
-                                done=done)
+        self.service.submit_put(model, self._hashes(keys, identity), states, release=release, done=done)
         return None
 
     def drain(self, timeout: float | None = None) -> bool:
@@ -189,7 +210,8 @@ class ScdStoragePlugin(StoragePluginInterface):
 
     def batched_get_blocking(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
         out: list[MemoryObj | None] = [None] * len(keys)
-        if not keys or not self._is_consumer(keys[0].model_name):
+        identity = self._consumer(keys)
+        if identity is None:
             return out
         layers, _, _, heads, dim = self.metadata.kv_shape
         allocated: list[MemoryObj] = []
@@ -205,7 +227,7 @@ class ScdStoragePlugin(StoragePluginInterface):
             return kv_2ltd_views(obj.tensor, heads)
 
         try:
-            states = self.service.get(keys[0].model_name, [chunk_hash_bytes(k.chunk_hash) for k in keys],
+            states = self.service.get(identity.model, self._hashes(keys, identity),
                                       into=chunk_buffers)
         except BaseException:
             for obj in allocated:  # nothing handed out: the memory goes back before the error does

@@ -34,6 +34,16 @@ SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
 PREFIX_KEYS_FLAG = "hicache_storage_pass_prefix_keys"
 
 
+def engine_serves_lora() -> bool:
+    """Whether the running SGLang server serves LoRA adapters (False outside a server)."""
+    try:
+        from sglang.srt.runtime_context import get_lora
+
+        return bool(get_lora().enable_lora)
+    except Exception:
+        return False
+
+
 def engine_extra_config(storage_config: HiCacheStorageConfig) -> dict:
     """The storage extra config as the operator wrote it: SGLang pops its own keys (the prefix-keys
     flag among them) before it builds the backend, so inside a server read the published original."""
@@ -70,6 +80,8 @@ class ScdHiCacheStorage(HiCacheStorage):
                                     "without it SGLang gives a backend no page positions, and scd-store codes "
                                     "pages at their true positions only")
             settings = EngineSettings.from_mapping(scd)
+            # SGLang hands a storage backend no request identity: an adapter's pages cannot be told from the base's
+            self.serves_adapters = settings.serves_adapters or engine_serves_lora()
             self.model = storage_config.model_name or ""
             self.service = acquire_service(settings)
         except Exception as exc:
@@ -135,6 +147,13 @@ class ScdHiCacheStorage(HiCacheStorage):
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         if self._role() != "producer" or not keys or not self._pool_ready():
+            return [False] * len(keys)
+        if self.serves_adapters:
+            self.service.store.stats.inc("unattributed_chunks", len(keys))
+            self._warn_once("adapters", "scd-store: this SGLang server serves LoRA adapters, and SGLang gives a "
+                            "storage backend no request identity, so an adapter's pages cannot be told from the base "
+                            "model's: not storing (counted as unattributed_chunks; logged once). Produce from a "
+                            "server without --enable-lora")
             return [False] * len(keys)
         start = self._first_position(extra_info, len(keys))
         if start is None:

@@ -9,7 +9,11 @@ Every engine adapter reads the same keys (LMCache: ``extra_config`` ``scd.*``; S
 - ``put_queue_chunks``: chunks a producer may have waiting to be encoded (default 256; more are
   dropped and counted, the engine never waits);
 - ``get_deadline_s``: how long a consumer's get may take before it returns what it has decoded
-  (default 5).
+  (default 5);
+- ``serves_adapters``: the engine also serves LoRA adapters of its model (default false; SGLang
+  says so itself). A request the adapter cannot be told from is then neither stored nor served;
+- ``model_tag`` (LMCache): the request tag ``lmcache.tag.<model_tag>`` that names the model (base
+  or adapter) a request is for (default ``scd_model``).
 
 A stored chunk's absolute position always comes from the engine (LMCache:
 ``MemoryObj.metadata.cached_positions``; SGLang: ``prefix_keys``); a chunk without one is not
@@ -24,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-KNOWN = ("bundles", "store_config", "aliases", "put_queue_chunks", "get_deadline_s")
+KNOWN = ("bundles", "store_config", "aliases", "put_queue_chunks", "get_deadline_s", "serves_adapters", "model_tag")
 
 
 class SettingsError(ValueError):
@@ -40,6 +44,8 @@ class EngineSettings:
     aliases: tuple[tuple[str, str], ...] = field(default=())
     put_queue_chunks: int = 256
     get_deadline_s: float = 5.0
+    serves_adapters: bool = False
+    model_tag: str = "scd_model"
 
     def __post_init__(self) -> None:
         if not self.bundles:
@@ -54,6 +60,10 @@ class EngineSettings:
             raise SettingsError(f"put_queue_chunks must be a positive int, got {self.put_queue_chunks!r}")
         if not self.get_deadline_s > 0:
             raise SettingsError(f"get_deadline_s must be positive, got {self.get_deadline_s!r}")
+        if not isinstance(self.serves_adapters, bool):
+            raise SettingsError(f"serves_adapters must be true or false, got {self.serves_adapters!r}")
+        if not isinstance(self.model_tag, str) or not self.model_tag:
+            raise SettingsError(f"model_tag must be a non-empty string, got {self.model_tag!r}")
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], prefix: str = "") -> EngineSettings:
@@ -77,5 +87,9 @@ class EngineSettings:
             deadline = float(ours.get("get_deadline_s", 5.0))
         except (TypeError, ValueError) as exc:
             raise SettingsError(f"put_queue_chunks and get_deadline_s must be numbers: {exc}") from exc
+        serves = ours.get("serves_adapters", False)
+        if isinstance(serves, str) and serves.lower() in ("true", "false"):
+            serves = serves.lower() == "true"
         return cls(tuple(str(Path(b)) for b in bundles), ours.get("store_config"),
-                   tuple(sorted((str(k), str(v)) for k, v in aliases.items())), queue_chunks, deadline)
+                   tuple(sorted((str(k), str(v)) for k, v in aliases.items())), queue_chunks, deadline, serves,
+                   ours.get("model_tag", "scd_model"))

@@ -16,6 +16,7 @@ MISS_REASONS = {
     "unpositioned": ("unpositioned_chunks", "space"),
     "hash_mismatch": ("hash_mismatch", "space"),
     "dropped": ("dropped_puts", "all"),
+    "unattributed": ("unattributed_chunks", "all"),
     "unregistered": ("refused_requests", "all"),
     "tier_down": ("tier_errors", "all"),
 }
