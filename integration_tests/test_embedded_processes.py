@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,45 +15,17 @@ import yaml
 from safetensors.torch import load_file
 
 from integration_tests.engine_processes import chunks_of
+from integration_tests.processes import ROOT, JsonLineProcess, free_port
 from scd_store.codecs.scd.bundle import load_pair, load_space
 from scd_store.codecs.scd.codec import ScdCodec
 from tests.bundles import PRODUCER, write_tiny_bundle
 
-ROOT = Path(__file__).resolve().parent.parent
 TOKENS, CHUNK = 40, 8
 
 
-class EngineProcess:
-    """One engine stand-in process (``integration_tests.engine_processes``)."""
-
-    def __init__(self, role: str, settings: dict, env: dict) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "integration_tests.engine_processes", role,
-                                      "--settings", json.dumps(settings)], cwd=ROOT, env=env, text=True,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        self.ready = self.read()
-
-    def read(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            raise AssertionError(f"engine process died: {self.proc.stderr.read()[-3000:]}")
-        return json.loads(line)
-
-    def ask(self, command: dict) -> dict:
-        self.proc.stdin.write(json.dumps(command) + "\n")
-        self.proc.stdin.flush()
-        return self.read()
-
-    def close(self) -> str:
-        if self.proc.poll() is None:
-            self.ask({"exit": True})
-        _, err = self.proc.communicate(timeout=60)
-        return err
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def EngineProcess(role: str, settings: dict, env: dict) -> JsonLineProcess:  # noqa: N802 - reads like a class
+    """One ``integration_tests.engine_processes`` process."""
+    return JsonLineProcess("integration_tests.engine_processes", [role, "--settings", json.dumps(settings)], env)
 
 
 @pytest.fixture
@@ -68,7 +38,7 @@ def deployment(tmp_path):
         "tiers": [{"kind": "cpu", "max_bytes": "16MiB"}, {"kind": "disk", "path": str(tmp_path / "disk"),
                                                            "max_bytes": "64MiB"}],
         "registry_path": str(tmp_path / "registry.json")}))
-    env = {**os.environ, "SCD_STORE_HOME": str(tmp_path / "home"), "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "SCD_STORE_HOME": str(tmp_path / "home"), "PYTHONPATH": str(ROOT)}  # for the CLI runs too
     settings = {"bundles": [str(bundle)], "store_config": str(store_yaml)}
     return bundle, settings, env, tmp_path
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 
 import pytest
@@ -14,63 +13,19 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, HiCacheSt
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 
 from integration_tests.lmcache_engines import write_store_yaml  # noqa: E402
+from integration_tests.sglang_harness import (  # noqa: E402
+    PAGE,
+    PAGES,
+    HostPool,
+    fill_producer,
+    make_backend,
+    page_keys,
+)
 from scd_store.adapters.sglang.backend import ScdHiCacheStorage  # noqa: E402
-from scd_store.adapters.sglang.pages import flat_page  # noqa: E402
 from scd_store.codecs.scd.bundle import load_pair, load_space  # noqa: E402
 from scd_store.codecs.scd.codec import ScdCodec  # noqa: E402
 from scd_store.service import SettingsError  # noqa: E402
-from tests.bundles import LAYOUT, PRODUCER, correlated_state, write_tiny_bundle  # noqa: E402
-
-PAGE, PAGES = 8, 4
-L, H, D = LAYOUT.num_layers, LAYOUT.kv_heads, LAYOUT.head_dim
-
-
-class HostPool:
-    """The part of SGLang's MHA host pool a storage backend touches (its real class needs torchvision to
-    import here): a ``[2, layers, tokens, heads, dim]`` (layer_first) or ``[2, tokens, layers, heads, dim]``
-    (page_first) buffer and the page accessors with SGLang's shapes."""
-
-    def __init__(self, layout: str, tokens: int = 64, dtype=torch.float16) -> None:
-        self.layout, self.page_size, self.dtype = layout, PAGE, dtype
-        self.layer_num, self.head_num, self.head_dim = L, H, D
-        dims = (2, L, tokens, H, D) if layout == "layer_first" else (2, tokens, L, H, D)
-        self.kv_buffer = torch.zeros(dims, dtype=dtype)
-
-    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
-        page = (self.kv_buffer[:, :, index:index + PAGE] if self.layout == "layer_first"
-                else self.kv_buffer[:, index:index + PAGE])
-        return page.flatten() if flat else page
-
-    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
-        if self.layout == "layer_first":
-            self.kv_buffer[:, :, index:index + PAGE] = data_page.reshape(2, L, PAGE, H, D)
-        else:
-            self.kv_buffer[:, index:index + PAGE] = data_page.reshape(2, PAGE, L, H, D)
-
-    def state_tokens(self, index: int) -> torch.Tensor:
-        """``[2, L, H, PAGE, D]`` of the page at ``index`` (layout-independent view for checks)."""
-        page = self.get_data_page(index, flat=False)
-        return page.permute(0, 1, 3, 2, 4) if self.layout == "layer_first" else page.permute(0, 2, 3, 1, 4)
-
-
-def page_keys(n: int) -> list[str]:
-    keys, parent = [], b""
-    for i in range(n):
-        parent = hashlib.sha256(parent + bytes([i]) * PAGE).digest()
-        keys.append(parent.hex())
-    return keys
-
-
-def make_backend(model: str, bundle, store_yaml, prefix_keys: bool | None = True, **scd) -> ScdHiCacheStorage:
-    extra = {"backend_name": "scd", "module_path": "scd_store.adapters.sglang.backend",
-             "class_name": "ScdHiCacheStorage", "interface_v1": 1,
-             "scd": {"bundles": [str(bundle)], "store_config": str(store_yaml), **scd}}
-    if prefix_keys is not None:
-        extra["hicache_storage_pass_prefix_keys"] = prefix_keys
-    config = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-                                  is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=False,
-                                  model_name=model, extra_config=extra)
-    return StorageBackendFactory.create_backend("dynamic", config, None)
+from tests.bundles import PRODUCER, write_tiny_bundle  # noqa: E402
 
 
 @pytest.fixture
@@ -78,17 +33,6 @@ def env(tmp_path):
     bundle = tmp_path / "bundle"
     write_tiny_bundle(bundle, consumers=("consumer-a", "consumer-b"))
     return bundle, write_store_yaml(tmp_path / "store.yaml", tmp_path / "disk")
-
-
-def fill_producer(pool: HostPool, host_base: int, seed: int = 3) -> torch.Tensor:
-    """Write PAGES pages of producer KV at host indices from ``host_base``; return them ``[2, L, H, T, D]``."""
-    state = correlated_state(PAGES * PAGE, seed=seed)
-    kv = torch.stack([state.keys, state.values]).half()
-    for p in range(PAGES):
-        part = kv[:, :, :, p * PAGE:(p + 1) * PAGE]
-        pool.set_from_flat_data_page(host_base + p * PAGE, flat_page(
-            type(state)(part[0].float(), part[1].float(), start=0), pool.layout, pool.dtype))
-    return kv
 
 
 def expected(bundle, consumer: str, kv: torch.Tensor) -> torch.Tensor:

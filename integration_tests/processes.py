@@ -1,0 +1,54 @@
+"""Engine stand-ins run as their own OS processes, spoken to with JSON lines over stdin / stdout."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class JsonLineProcess:
+    """``python -m MODULE ARGS...``: reads its first line (``ready``) and answers one line per command."""
+
+    def __init__(self, module: str, args: list[str], env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT,
+                                     env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.ready = self.read()
+
+    def read(self) -> dict:
+        line = self.proc.stdout.readline()
+        while line and not line.startswith("{"):  # a library printing to stdout
+            line = self.proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"process died: {self.proc.stderr.read()[-4000:]}")
+        return json.loads(line)
+
+    def ask(self, command: dict) -> dict:
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def close(self) -> str:
+        """Ask it to exit (releasing its store); returns what it wrote to stderr."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(AssertionError, BrokenPipeError):
+                self.ask({"exit": True})
+        try:
+            _, err = self.proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            _, err = self.proc.communicate()
+        return err
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
