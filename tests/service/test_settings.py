@@ -32,6 +32,8 @@ def test_settings_read_their_prefix_and_refuse_unknown_keys(bundle):
     ({"put_queue_chunks": -1}, "put_queue_chunks must be a positive int"),
     ({"get_deadline_s": 0}, "get_deadline_s must be positive"),
     ({"get_deadline_s": "soon"}, "must be numbers"),
+    ({"serves_adapters": "sometimes"}, "serves_adapters must be true or false"),
+    ({"model_tag": ""}, "model_tag must be a non-empty string"),
     ({"store_config": "/nowhere.yaml"}, "is not a file"),
 ])
 def test_bad_settings_name_the_problem(bundle, values, match):
