@@ -1,0 +1,222 @@
+"""scd-store as an L2 adapter of LMCache's multiprocess server (``lmcache server``, LMCache 0.5.6).
+
+Configure on the server's command line (the ``plugin`` adapter type)::
+
+    lmcache server --chunk-size 256 --l1-size-gb 8 --eviction-policy LRU \\
+      --l2-adapter '{"type": "plugin", "module_path": "scd_store.adapters.lmcache.l2_adapter",
+                     "class_name": "ScdL2Adapter",
+                     "adapter_params": {"bundles": ["/srv/scd/bundles/shakespeare"],
+                                        "store_config": "/srv/scd/store.yaml"}}'
+
+``adapter_params`` are scd-store's engine settings (docs/engines.md). Store: chunks that a space's
+producer engine wrote to L1 are encoded off the server's threads (the put queue) at the positions
+the server reported for them (:class:`PositionLedger`, from its ``MP_TOKENS`` events; a chunk
+without one is not stored and is counted), and the task completes when they are stored. Lookup
+and load: a registered consumer's keys resolve to the producer's codes, decoded straight into the
+L1 memory objects LMCache hands over. Keys carry LMCache's ``cache_salt`` (a tenant).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import xxhash
+from lmcache.lmcache_native import Bitmap
+from lmcache.v1.distributed.api import ObjectKey
+from lmcache.v1.distributed.internal_api import L2StoreResult
+from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
+from lmcache.v1.memory_management import MemoryObj
+from lmcache.v1.mp_observability.event import EventType
+from lmcache.v1.platform import create_event_notifier
+
+from scd_store.adapters.lmcache.layout import kv_2ltd_views, state_from_kv_2ltd
+from scd_store.adapters.lmcache.positions import PositionLedger
+from scd_store.service import EngineSettings, SettingsError, acquire_service, release_service
+
+log = logging.getLogger("scd_store.adapters.lmcache")
+POSITION_WAIT_S = 1.0  # how long an L1 chunk may wait for its MP_TOKENS event
+
+
+def object_hash(key: ObjectKey) -> bytes:
+    """A 16-byte store hash for an LMCache object key: its chunk hash, in its ``cache_salt`` namespace."""
+    return xxhash.xxh3_128(b"lmcache-mp/" + bytes(key.chunk_hash) + b"|salt|" + key.cache_salt.encode()).digest()
+
+
+class _Results:
+    """Completed task results of one kind, popped once, with the event fd that announces them."""
+
+    def __init__(self) -> None:
+        self.notifier = create_event_notifier()
+        self._lock = threading.Lock()
+        self._done: dict[L2TaskId, Any] = {}
+
+    def finish(self, task_id: L2TaskId, result: Any) -> None:
+        with self._lock:
+            self._done[task_id] = result
+        self.notifier.notify()
+
+    def pop(self, task_id: L2TaskId) -> Any:
+        with self._lock:
+            return self._done.pop(task_id, None)
+
+    def pop_all(self) -> dict[L2TaskId, Any]:
+        with self._lock:
+            done, self._done = self._done, {}
+        return done
+
+
+class ScdL2Adapter(L2AdapterInterface):
+    """LMCache L2 adapter over scd-store's :class:`~scd_store.service.KVService`."""
+
+    def __init__(self, config: dict, l1_memory_desc: Any = None) -> None:
+        super().__init__(0)
+        try:
+            self.settings = EngineSettings.from_mapping(config or {})
+            self.service = acquire_service(self.settings)
+        except Exception as exc:
+            log.error("scd-store LMCache L2 adapter: bad configuration: %s", exc)
+            raise
+        self.positions = PositionLedger()
+        self._event_bus.subscribe(EventType.MP_TOKENS, self.positions.record_event)
+        self._stores, self._lookups, self._loads = _Results(), _Results(), _Results()
+        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="scd-store-l2")
+        self._next_id = 0
+        self._id_lock = threading.Lock()
+        self._warned: set[str] = set()
+
+    # ----------------------------------------------------------------- helpers
+    def _task_id(self) -> L2TaskId:
+        with self._id_lock:
+            self._next_id += 1
+            return self._next_id
+
+    def _warn_once(self, what: str, message: str, *args: Any) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            log.warning(message, *args)
+
+    def _role(self, keys: Sequence[ObjectKey]) -> tuple[str, str] | None:
+        """``(model, role)`` of a batch: one model, world size 1, the attention group; else None."""
+        if not keys or len({k.model_name for k in keys}) != 1:
+            return None
+        if any(ObjectKey.WorldSizeFromKVRank(k.kv_rank) != 1 or k.object_group_id != 0 for k in keys):
+            self._warn_once("layout", "scd-store: only world size 1 and the attention object group are coded; "
+                            "other keys miss")
+            return None
+        binding = self.service.binding(keys[0].model_name)
+        return (keys[0].model_name, binding.role) if binding is not None else None
+
+    # ----------------------------------------------------------------- event fds
+    def get_store_event_fd(self) -> int:
+        return self._stores.notifier.fileno()
+
+    def get_lookup_and_lock_event_fd(self) -> int:
+        return self._lookups.notifier.fileno()
+
+    def get_load_event_fd(self) -> int:
+        return self._loads.notifier.fileno()
+
+    # ----------------------------------------------------------------- store
+    def submit_store_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
+        """Producer chunks go to the put worker; the task completes once they are stored (LMCache holds
+        the objects' read locks until then). Anything else completes at once, storing nothing."""
+        task_id = self._task_id()
+        role = self._role(keys)
+        if role is None or role[1] != "producer":
+            self._stores.finish(task_id, L2StoreResult(True, 0))
+            return task_id
+        model = role[0]
+        heads = self.service.binding(model).space.layout.kv_heads
+
+        def states() -> list | None:
+            starts = self.positions.positions([k.chunk_hash for k in keys], timeout=POSITION_WAIT_S)
+            if None in starts:
+                self.service.store.stats.inc("unpositioned_chunks", len(keys))
+                self._warn_once("positions", "scd-store: the server reported no positions for chunks of %r "
+                                "(MP_TOKENS events come with its server-driven transfer path); not storing them "
+                                "(counted as unpositioned_chunks; logged once)", model)
+                return None
+            return [state_from_kv_2ltd(obj.tensor, heads, start) for obj, start in zip(objects, starts, strict=True)]
+
+        nbytes = sum(obj.get_size() for obj in objects)
+        self.service.submit_put(model, [object_hash(k) for k in keys], states,
+                                done=lambda stored: self._stores.finish(task_id, L2StoreResult(True, nbytes if
+                                                                                                stored else 0)))
+        return task_id
+
+    def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
+        return self._stores.pop_all()
+
+    # ----------------------------------------------------------------- lookup and load
+    def submit_lookup_and_lock_task(self, keys: list[ObjectKey], group_layout_descs: dict) -> L2TaskId:
+        task_id = self._task_id()
+        desc = (group_layout_descs or {}).get(0)
+        shape = desc.shapes[0] if desc is not None and desc.shapes else ()
+        chunk_tokens = int(shape[2]) if len(shape) == 4 else None  # KV_2LTD [2, layers, tokens, width]
+        self._executor.submit(self._lookup, task_id, keys, chunk_tokens)
+        return task_id
+
+    def _lookup(self, task_id: L2TaskId, keys: list[ObjectKey], chunk_tokens: int | None) -> None:
+        bitmap = Bitmap(len(keys))
+        try:
+            role = self._role(keys)
+            if role is not None and role[1] == "consumer":
+                tokens = len(keys) * chunk_tokens if chunk_tokens else None
+                found = self.service.contains(role[0], [object_hash(k) for k in keys], tokens=tokens)
+                if found:
+                    bitmap.set_range(0, found)
+        except Exception as exc:  # a lookup that fails is a miss
+            log.warning("scd-store: L2 lookup failed: %s", exc)
+        self._lookups.finish(task_id, bitmap)
+
+    def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
+        return self._lookups.pop(task_id)
+
+    def submit_unlock(self, keys: list[ObjectKey]) -> None:
+        return None  # codes are immutable and shared; nothing is locked per engine
+
+    def submit_load_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
+        task_id = self._task_id()
+        self._executor.submit(self._load, task_id, keys, objects)
+        return task_id
+
+    def _load(self, task_id: L2TaskId, keys: list[ObjectKey], objects: list[MemoryObj]) -> None:
+        bitmap = Bitmap(len(keys))
+        try:
+            role = self._role(keys)
+            if role is not None and role[1] == "consumer":
+                heads = self.service.binding(role[0]).space.layout.kv_heads
+
+                def into(i: int, tokens: int) -> Any:
+                    tensor = objects[i].tensor
+                    return kv_2ltd_views(tensor, heads) if tensor is not None and tensor.shape[2] == tokens else None
+
+                states = self.service.get(role[0], [object_hash(k) for k in keys], into=into)
+                if states:
+                    bitmap.set_range(0, len(states))
+        except Exception as exc:  # a load that fails is a miss
+            log.warning("scd-store: L2 load failed: %s", exc)
+        self._loads.finish(task_id, bitmap)
+
+    def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
+        return self._loads.pop(task_id)
+
+    # ----------------------------------------------------------------- lifecycle
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+        service, self.service = getattr(self, "service", None), None
+        if service is not None:
+            release_service(service)
+        for results in (self._stores, self._lookups, self._loads):
+            results.notifier.close()
+
+    def report_status(self) -> dict:
+        return {"is_healthy": self.service is not None, "type": "ScdL2Adapter",
+                "queued_chunks": self.service.puts.queued_chunks() if self.service is not None else 0}
+
+
+__all__ = ["ScdL2Adapter", "SettingsError", "object_hash"]
