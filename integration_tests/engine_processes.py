@@ -59,8 +59,9 @@ def main() -> int:
             if states:
                 save_file({"keys": torch.cat([s.keys for s in states], 2).contiguous(),
                            "values": torch.cat([s.values for s in states], 2).contiguous()}, c["out"])
-            print(json.dumps({"found": found, "chunks": len(states), "starts": [s.start for s in states]}),
-                  flush=True)
+            by_tier = {t.name: service.store.stats.value("hit_chunks", tier=t.name) for t in service.store.tiers}
+            print(json.dumps({"found": found, "chunks": len(states), "starts": [s.start for s in states],
+                              "hits_by_tier": by_tier}), flush=True)
         elif command.get("exit"):
             release_service(service)
             print(json.dumps({"exited": True}), flush=True)

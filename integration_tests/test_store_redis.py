@@ -252,3 +252,23 @@ def test_stats_cli_reads_redis(server, raw, capsys) -> None:
     assert "hits per pair" in summary and "4,096" in summary
     assert main(["stats", "--redis", server.url, "--counters"]) == 0
     assert "hit_tokens" in capsys.readouterr().out
+
+
+def test_the_peer_directory_in_redis(server, raw) -> None:
+    from scd_store.store.transfer.base import BlobRef, SourceInfo
+    from scd_store.store.transfer.directory import RedisPeerDirectory
+
+    writer, reader = RedisPeerDirectory(server.url), RedisPeerDirectory(server.url)  # two processes
+    try:
+        info = SourceInfo("src-1", "nixl", "DRAM", 4096, 1 << 20, 0, b"agent-metadata")
+        writer.add_source(info)
+        writer.record("src-1", [BlobRef("scd:sp:" + "0" * 32, 0, 10), BlobRef("scd:sp:" + "1" * 32, 10, 5)])
+        assert reader.source("src-1") == info and reader.source("nope") is None
+        keys = ["scd:sp:" + "0" * 32, "scd:sp:" + "1" * 32, "scd:sp:" + "2" * 32]
+        assert reader.locate(keys) == [("src-1", BlobRef(keys[0], 0, 10)), ("src-1", BlobRef(keys[1], 10, 5)), None]
+        reader.forget(keys[:1])  # this process's view only
+        assert reader.locate(keys[:1]) == [None] and writer.locate(keys[:1]) != [None]
+        writer.record("src-1", [BlobRef(keys[0], 20, 10)])  # published anew
+        assert reader.locate(keys[:1]) == [("src-1", BlobRef(keys[0], 20, 10))]
+    finally:
+        writer.close(), reader.close()

@@ -16,7 +16,7 @@ from typing import Any
 from scd_store.store.keys import DEFAULT_CHUNK_SIZE, validate_chunk_size
 from scd_store.store.redis_url import parse_redis_url
 
-TIER_KINDS = ("gpu", "cpu", "disk", "redis")
+TIER_KINDS = ("gpu", "cpu", "peer", "disk", "redis")
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
@@ -59,6 +59,8 @@ class TierConfig:
     pinned: bool = False
     fsync: bool = False
     rescan_s: float | None = 60.0
+    publish: bool = True
+    transfer: str = "auto"
     queue_size: int = 256
     writers: int = 2
 
@@ -71,6 +73,8 @@ class TierConfig:
             raise ConfigError(f"{self.kind} tier: max_bytes and max_value_bytes must be > 0")
         if self.kind == "disk" and self.path is None:
             self.path = _default_disk_path()
+        if self.kind == "peer" and self.path is None and not self.url:
+            self.path = str(Path(_default_disk_path()) / "peers")
         if self.kind == "redis":
             if not self.url:
                 raise ConfigError("the redis tier needs a url (redis://, rediss://, redis+cluster://, "
@@ -78,6 +82,10 @@ class TierConfig:
             parse_redis_url(self.url)
         if self.ttl_s is not None and float(self.ttl_s) <= 0:
             raise ConfigError(f"{self.kind} tier: ttl_s must be > 0 or null")
+        if self.transfer not in ("auto", "nixl", "copy"):
+            raise ConfigError(f"{self.kind} tier: transfer must be auto, nixl or copy, got {self.transfer!r}")
+        if self.kind == "peer" and self.url:
+            parse_redis_url(self.url)
         if self.rescan_s is not None and float(self.rescan_s) <= 0:
             raise ConfigError(f"{self.kind} tier: rescan_s must be > 0 or null")
         if self.queue_size <= 0 or self.writers <= 0:
@@ -111,7 +119,7 @@ class StoreConfig:
         kinds = [t.kind for t in self.tiers]
         order = [TIER_KINDS.index(k) for k in kinds]
         if order != sorted(order):
-            raise ConfigError(f"tiers must be ordered fastest first (gpu, cpu, disk, redis), got {kinds}")
+            raise ConfigError(f"tiers must be ordered fastest first (gpu, cpu, peer, disk, redis), got {kinds}")
         try:
             validate_chunk_size(self.chunk_size)
         except ValueError as exc:

@@ -11,7 +11,7 @@ from dataclasses import MISSING, fields
 from scd_store.store.config import TIER_KINDS, StoreConfig, TierConfig
 
 STORE_DOCS = {
-    "tiers": "ordered tiers, fastest first (`gpu`, `cpu`, `disk`, `redis`); default: cpu 1GiB + disk 8GiB",
+    "tiers": "ordered tiers, fastest first (`gpu`, `cpu`, `peer`, `disk`, `redis`); default: cpu 1GiB + disk 8GiB",
     "chunk_size": "tokens per chunk where scd-store hashes tokens itself (`chunk_hashes`: the demo, the "
                   "benches); engines bring their own chunks",
     "op_timeout_s": "bound on every tier operation; a slower one is a miss and a `tier_errors` count",
@@ -27,13 +27,18 @@ STORE_DOCS = {
 TIER_DOCS = {
     "kind": f"one of {', '.join(TIER_KINDS)}",
     "max_bytes": "byte bound of the tier (`512MiB`, `2GB`, ints); for Redis only with `apply_server_maxmemory`",
-    "path": "disk tier directory (default: `<data dir>/store`)",
-    "url": "Redis URL: `redis://`, `rediss://` (TLS), `redis+cluster://h1:p1,h2:p2`, `redis+sentinel://h:p/svc`",
+    "path": "disk tier directory (default: `<data dir>/store`); peer tier: its directory of who holds what "
+            "(default: `<data dir>/store/peers`) when it has no `url`",
+    "url": "Redis URL: `redis://`, `rediss://` (TLS), `redis+cluster://h1:p1,h2:p2`, `redis+sentinel://h:p/svc`; "
+           "for a peer tier, where its directory lives (between hosts)",
     "ttl_s": "Redis: expire blobs after this many seconds (null: never)",
     "max_value_bytes": "largest blob the tier accepts (larger ones are refused and counted)",
     "apply_server_maxmemory": "Redis: set the server's `maxmemory` to `max_bytes`",
     "pinned": "CPU tier: keep blobs in pinned memory (with CUDA) for fast device copies",
     "fsync": "disk tier: fsync every blob before it counts as written",
+    "publish": "peer tier: keep this process's blobs in a registered arena of `max_bytes` for other processes "
+               "to read (false: read peers only)",
+    "transfer": "peer tier: `nixl`, `copy` (this process only) or `auto` (NIXL when it works here)",
     "rescan_s": "disk tier: rebuild the index from the directory this often, so what other processes on the "
                 "host wrote is counted and the byte bound holds across them (null: only at start)",
     "queue_size": "write-through queue length of this tier (lower tiers)",

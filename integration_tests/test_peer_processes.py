@@ -1,0 +1,66 @@
+"""The peer tier between OS processes over NIXL: a consumer process reads the code blobs a producer
+process holds in its registered memory, through its store's tier walk; when the producer is gone,
+reads are misses within their timeout, never a hang."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from integration_tests.engine_processes import chunks_of
+from integration_tests.processes import JsonLineProcess
+from scd_store.codecs.scd.bundle import load_pair, load_space
+from scd_store.codecs.scd.codec import ScdCodec
+from scd_store.store.transfer.factory import nixl_available
+from tests.bundles import PRODUCER, write_tiny_bundle
+
+TOKENS, CHUNK = 40, 8
+
+
+def store_yaml(path, peers, publish: bool) -> str:
+    path.write_text(yaml.safe_dump({
+        "chunk_size": CHUNK, "registry_path": str(peers.parent / "registry.json"),
+        "tiers": [{"kind": "cpu", "max_bytes": "16MiB"},
+                  {"kind": "peer", "path": str(peers), "max_bytes": "16MiB", "publish": publish,
+                   "transfer": "nixl"}]}))
+    return str(path)
+
+
+def process(role: str, bundle, yaml_path: str, env: dict) -> JsonLineProcess:
+    settings = {"bundles": [str(bundle)], "store_config": yaml_path}
+    return JsonLineProcess("integration_tests.engine_processes", [role, "--settings", json.dumps(settings)], env)
+
+
+@pytest.mark.skipif(not nixl_available(), reason="NIXL with UCX is installed by make test")
+def test_a_consumer_process_reads_a_producer_process_memory_over_nixl(tmp_path):
+    bundle = tmp_path / "bundle"
+    write_tiny_bundle(bundle, consumers=("consumer-a",))
+    peers = tmp_path / "peers"
+    env = {"SCD_STORE_HOME": str(tmp_path / "home")}
+    producer = process("producer", bundle, store_yaml(tmp_path / "producer.yaml", peers, True), env)
+    consumer = process("consumer", bundle, store_yaml(tmp_path / "consumer.yaml", peers, False), env)
+    try:
+        assert producer.ask({"put": {"model": PRODUCER, "tokens": TOKENS, "seed": 2, "chunk": CHUNK}})["drained"]
+        out = str(tmp_path / "got.safetensors")
+        got = consumer.ask({"get": {"model": "consumer-a", "tokens": TOKENS, "chunk": CHUNK, "out": out}})
+        assert got["chunks"] == TOKENS // CHUNK and got["hits_by_tier"]["peer"] == TOKENS // CHUNK
+        space = load_space(bundle)
+        codec = ScdCodec(space, load_pair(bundle, "consumer-a", space))
+        want = [codec.decode(codec.encode(part)) for part in chunks_of(TOKENS, CHUNK, seed=2)]
+        assert torch.allclose(load_file(out)["keys"], torch.cat([s.keys for s in want], 2), atol=1e-5)
+
+        assert producer.ask({"put": {"model": PRODUCER, "tokens": 2 * TOKENS, "seed": 3, "chunk": CHUNK}})["drained"]
+        producer.close()  # its memory is gone; the directory still names it
+        t0 = time.monotonic()
+        gone = consumer.ask({"get": {"model": "consumer-a", "tokens": 2 * TOKENS, "chunk": CHUNK,
+                                     "out": str(tmp_path / "gone.safetensors")}})
+        # the first chunks were promoted into the consumer's CPU tier; the producer's new ones are misses
+        assert gone["chunks"] == TOKENS // CHUNK and gone["hits_by_tier"]["peer"] == TOKENS // CHUNK
+        assert time.monotonic() - t0 < 30  # within the read timeout, not a hang
+    finally:
+        producer.close(), consumer.close()
