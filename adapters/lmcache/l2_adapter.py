@@ -33,9 +33,11 @@ from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.mp_observability.event import EventType
 from lmcache.v1.platform import create_event_notifier
 
+from scd_store.adapters.lmcache.hashing import mp_server_canary
 from scd_store.adapters.lmcache.layout import kv_2ltd_views, state_from_kv_2ltd
 from scd_store.adapters.lmcache.positions import PositionLedger
 from scd_store.service import EngineSettings, SettingsError, acquire_service, release_service
+from scd_store.service.hash_agreement import HashMismatch
 
 log = logging.getLogger("scd_store.adapters.lmcache")
 POSITION_WAIT_S = 1.0  # how long an L1 chunk may wait for its MP_TOKENS event
@@ -80,6 +82,7 @@ class ScdL2Adapter(L2AdapterInterface):
         except Exception as exc:
             log.error("scd-store LMCache L2 adapter: bad configuration: %s", exc)
             raise
+        self._check_hashing()
         self.positions = PositionLedger()
         self._event_bus.subscribe(EventType.MP_TOKENS, self.positions.record_event)
         self._stores, self._lookups, self._loads = _Results(), _Results(), _Results()
@@ -89,6 +92,20 @@ class ScdL2Adapter(L2AdapterInterface):
         self._warned: set[str] = set()
 
     # ----------------------------------------------------------------- helpers
+    def _check_hashing(self) -> None:
+        """Producers record the server's hashing canary, consumers compare (one server serves many
+        engines: a consumer that differs is logged, counted and answers no lookups; the server runs on)."""
+        canary = mp_server_canary()
+        if canary is None:
+            log.warning("scd-store: this lmcache server's chunk hashing cannot be checked (only blake3 is); servers "
+                        "that share a store must use the same --chunk-size and --hash-algorithm")
+            return
+        for model in self.service.models():
+            try:
+                self.service.check_hashing(model, canary)
+            except HashMismatch as exc:
+                log.error("scd-store LMCache L2 adapter: %s", exc)
+
     def _task_id(self) -> L2TaskId:
         with self._id_lock:
             self._next_id += 1
