@@ -53,6 +53,7 @@ def main() -> int:
     parser.add_argument("--http-url", required=True)
     parser.add_argument("--model", required=True)
     parser.add_argument("--transfer-mode", default="lmcache_driven")
+    parser.add_argument("--cache-salt", default="", help="the tenant salt every key of this engine carries")
     args = parser.parse_args()
     torch.set_num_threads(1)
     from lmcache.cli.commands.bench.server_bench import helpers
@@ -61,6 +62,11 @@ def main() -> int:
 
     helpers._MODEL_NAME = args.model  # the engine's model name in its keys and its registration
     helpers._INSTANCE_ID_BASE = 1000 + os.getpid() % 100_000  # one server registration per engine process
+    if args.cache_salt:
+        import dataclasses
+
+        make_key = helpers._make_key
+        helpers._make_key = lambda *a, **k: dataclasses.replace(make_key(*a, **k), cache_salt=args.cache_salt)
     config = BenchConfig(rpc_url=args.rpc_url, http_url=args.http_url, mode="cpu", transfer_mode=args.transfer_mode,
                          tp_size=1, use_mla=False, num_tokens=TOKENS - 1, kvcache_shape_spec=SHAPE_SPEC,
                          num_blocks=64, block_size=BLOCK)

@@ -29,13 +29,20 @@ def main() -> int:
     parser.add_argument("--model", required=True)
     parser.add_argument("--bundle", required=True)
     parser.add_argument("--store-yaml", required=True)
+    parser.add_argument("--page-size", type=int, default=PAGE, help="the engine's page size (hashing)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
 
     backend = make_backend(args.model, args.bundle, args.store_yaml)
     pool = HostPool("layer_first")
-    backend.register_mem_pool_host(pool)
+    pool.page_size = args.page_size
+    try:
+        backend.register_mem_pool_host(pool)
+    except Exception as exc:  # SGLang fails to start the cache then; report it and stop
+        print(json.dumps({"ready": args.model, "error": str(exc)}), flush=True)
+        backend.close()
+        os._exit(0)
     print(json.dumps({"ready": args.model}), flush=True)
     for line in sys.stdin:
         command = json.loads(line)

@@ -19,10 +19,11 @@ from scd_store.codecs.scd.codec import ScdCodec
 from tests.bundles import LAYOUT, PRODUCER, write_tiny_bundle
 
 
-def client(server: LMCacheServer, model: str, env: dict, transfer: str = "lmcache_driven") -> JsonLineProcess:
+def client(server: LMCacheServer, model: str, env: dict, transfer: str = "lmcache_driven", salt: str = ""
+           ) -> JsonLineProcess:
     return JsonLineProcess("integration_tests.lmcache_mp_client",
                            ["--rpc-url", server.rpc_url, "--http-url", server.http_url, "--model", model,
-                            "--transfer-mode", transfer], env)
+                            "--transfer-mode", transfer, "--cache-salt", salt], env)
 
 
 def decoded(bundle, consumer: str, seed: int) -> torch.Tensor:
@@ -41,7 +42,7 @@ def decoded(bundle, consumer: str, seed: int) -> torch.Tensor:
 @pytest.fixture
 def deployment(tmp_path):
     bundle = tmp_path / "bundle"
-    write_tiny_bundle(bundle, consumers=("consumer-a",))
+    write_tiny_bundle(bundle, consumers=("consumer-a", "consumer-b"))
     store_yaml = write_store_yaml(tmp_path / "store.yaml", tmp_path / "disk")
     env = {"SCD_STORE_HOME": str(tmp_path / "home")}
     params = {"bundles": [str(bundle)], "store_config": str(store_yaml)}
@@ -49,19 +50,37 @@ def deployment(tmp_path):
         yield server, bundle, env, tmp_path
 
 
-def test_a_consumer_engine_retrieves_its_decode_through_the_server(deployment):
+def test_two_consumer_engines_retrieve_their_decodes_through_the_server(deployment):
     server, bundle, env, tmp = deployment
-    producer, consumer = client(server, PRODUCER, env), client(server, "consumer-a", env)
+    engines = [client(server, PRODUCER, env), client(server, "consumer-a", env), client(server, "consumer-b", env)]
+    producer, *consumers = engines
     try:
         # chunked prefill: the first chunk by one store, the rest by the next
         assert producer.ask({"store": {"seq": 3, "seed": 8, "count": BLOCK}}) == {"stored": True}
         assert producer.ask({"store": {"seq": 3, "seed": 8, "start": BLOCK}}) == {"stored": True}
-        out = str(tmp / "got.safetensors")
-        got = consumer.ask({"retrieve": {"seq": 3, "out": out, "wait_s": 20, "want": TOKENS // BLOCK}})
-        assert got == {"hit_chunks": TOKENS // BLOCK, "retrieved": True}
+        for name, consumer in zip(("consumer-a", "consumer-b"), consumers, strict=True):
+            out = str(tmp / f"{name}.safetensors")
+            got = consumer.ask({"retrieve": {"seq": 3, "out": out, "wait_s": 20, "want": TOKENS // BLOCK}})
+            assert got == {"hit_chunks": TOKENS // BLOCK, "retrieved": True}
     finally:
-        producer.close(), consumer.close()
-    assert torch.equal(load_file(out)["kv"], decoded(bundle, "consumer-a", seed=8))
+        for engine in engines:
+            engine.close()
+    for name in ("consumer-a", "consumer-b"):
+        assert torch.equal(load_file(str(tmp / f"{name}.safetensors"))["kv"], decoded(bundle, name, seed=8))
+
+
+def test_tenants_salted_apart_never_read_each_others_codes(deployment):
+    server, bundle, env, tmp = deployment
+    producer = client(server, PRODUCER, env, salt="acme")
+    acme, globex = client(server, "consumer-a", env, salt="acme"), client(server, "consumer-a", env, salt="globex")
+    try:
+        assert producer.ask({"store": {"seq": 6, "seed": 1}}) == {"stored": True}
+        out = str(tmp / "t.safetensors")
+        assert acme.ask({"retrieve": {"seq": 6, "out": out, "wait_s": 20, "want": TOKENS // BLOCK}})[
+            "hit_chunks"] == TOKENS // BLOCK
+        assert globex.ask({"retrieve": {"seq": 6, "out": out, "wait_s": 2}})["hit_chunks"] == 0
+    finally:
+        producer.close(), acme.close(), globex.close()
 
 
 def test_stores_the_server_gives_no_positions_for_are_not_coded(deployment):
