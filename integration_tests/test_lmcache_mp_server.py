@@ -97,6 +97,6 @@ def test_stores_the_server_gives_no_positions_for_are_not_coded(deployment):
     finally:
         producer.close(), consumer.close()
     server.__exit__()  # the server's store writes its counters on close
-    (stats,) = (tmp / "home" / "store" / "stats").glob("*.json")
+    (stats,) = (tmp / "stats").glob("*.json")
     counters = {c["name"]: c["value"] for c in json.loads(stats.read_text())["counters"]}
     assert counters["unpositioned_chunks"] == TOKENS // BLOCK and "puts" not in counters

@@ -68,7 +68,7 @@ def stats_dir() -> Path:
 def stats_sink_for(config: StoreConfig) -> StatsSink:
     """Redis when the config names one (``stats_redis_url`` or the Redis tier), else per-process files."""
     url = config.stats_redis_url or config.redis_url
-    return RedisStatsMirror(url) if url else SnapshotFiles(stats_dir())
+    return RedisStatsMirror(url) if url else SnapshotFiles(config.stats_path or stats_dir())
 
 
 def open_store(config: StoreConfig | None = None, *, registry: Registry | None = None,
@@ -90,4 +90,5 @@ def open_store(config: StoreConfig | None = None, *, registry: Registry | None =
                        put_timeout_s=config.put_timeout_s, queue_size=[c.queue_size for c, _ in pairs],
                        writers=[c.writers for c, _ in pairs], backoff_min_s=config.retry_backoff_min_s,
                        backoff_max_s=config.retry_backoff_max_s,
-                       stats_sink=sink)
+                       stats_sink=sink,
+                       tier_timeouts={t.name: float(c.op_timeout_s) for c, t in pairs if c.op_timeout_s is not None})

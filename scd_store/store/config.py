@@ -61,6 +61,7 @@ class TierConfig:
     rescan_s: float | None = 60.0
     publish: bool = True
     transfer: str = "auto"
+    op_timeout_s: float | None = None
     queue_size: int = 256
     writers: int = 2
 
@@ -82,6 +83,8 @@ class TierConfig:
             parse_redis_url(self.url)
         if self.ttl_s is not None and float(self.ttl_s) <= 0:
             raise ConfigError(f"{self.kind} tier: ttl_s must be > 0 or null")
+        if self.op_timeout_s is not None and float(self.op_timeout_s) <= 0:
+            raise ConfigError(f"{self.kind} tier: op_timeout_s must be > 0 or null")
         if self.transfer not in ("auto", "nixl", "copy"):
             raise ConfigError(f"{self.kind} tier: transfer must be auto, nixl or copy, got {self.transfer!r}")
         if self.kind == "peer" and self.url:
@@ -109,6 +112,7 @@ class StoreConfig:
     registry_url: str | None = None
     registry_path: str | None = None
     stats_redis_url: str | None = None
+    stats_path: str | None = None
     metrics_port: int | None = None
     raw_kv_bytes_per_token: int = 0
 
@@ -198,7 +202,7 @@ class StoreConfig:
                 tiers[i] = replace(t, **updates)
         updates = {}
         for key, cast in (("CHUNK_SIZE", int), ("OP_TIMEOUT_S", float), ("PUT_TIMEOUT_S", float),
-                          ("REGISTRY_URL", str), ("REGISTRY_PATH", str), ("STATS_REDIS_URL", str),
+                          ("REGISTRY_URL", str), ("REGISTRY_PATH", str), ("STATS_REDIS_URL", str), ("STATS_PATH", str),
                           ("METRICS_PORT", int), ("RAW_KV_BYTES_PER_TOKEN", int)):
             if "SCD_STORE_" + key in env:
                 try:

@@ -21,6 +21,7 @@ STORE_DOCS = {
     "registry_url": "Redis URL of the registry (default: the first Redis tier's URL)",
     "registry_path": "JSON file of the registry when there is no Redis (default: `<data dir>/store/registry.json`)",
     "stats_redis_url": "Redis URL where counters are shared for `scd-store stats` (default: the Redis tier)",
+    "stats_path": "directory of the per-process stats snapshots without Redis (default: `<data dir>/store/stats`)",
     "metrics_port": "serve Prometheus metrics (`scd_store_*`) on this loopback port",
     "raw_kv_bytes_per_token": "raw KV bytes per token for `bytes_saved` when a space does not say",
 }
@@ -42,6 +43,7 @@ TIER_DOCS = {
     "rescan_s": "disk tier: rebuild the index from the directory this often, so what other processes on the "
                 "host wrote is counted and the byte bound holds across them (null: only at start)",
     "queue_size": "write-through queue length of this tier (lower tiers)",
+    "op_timeout_s": "this tier's own deadline per operation (default: the store's `op_timeout_s`)",
     "writers": "background writers draining this tier's queue",
 }
 ENV = [
@@ -56,7 +58,7 @@ ENV = [
     ("SCD_STORE_GLIBC_MMAP", "`1` keeps glibc's mmap of large blocks in the `scd-store` process (by default it "
                              "reuses freed blocks: `mallopt(M_MMAP_MAX, 0)`, see docs/scd.md)"),
     ("SCD_STORE_<FIELD>", "`CHUNK_SIZE`, `OP_TIMEOUT_S`, `PUT_TIMEOUT_S`, `REGISTRY_URL`, `REGISTRY_PATH`, "
-                          "`STATS_REDIS_URL`, `METRICS_PORT`, `RAW_KV_BYTES_PER_TOKEN`"),
+                          "`STATS_REDIS_URL`, `STATS_PATH`, `METRICS_PORT`, `RAW_KV_BYTES_PER_TOKEN`"),
 ]
 
 

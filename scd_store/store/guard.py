@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from scd_store.store.health import TierHealth
@@ -19,13 +19,19 @@ T = TypeVar("T")
 
 
 class TierGuard:
-    """Health gates and timeouts for a store's tiers; ``health[name]`` is each tier's state."""
+    """Health gates and timeouts for a store's tiers; ``health[name]`` is each tier's state and
+    ``timeouts[name]`` its own deadline per call (``op_timeout_s`` unless ``tier_timeouts`` says)."""
 
     def __init__(self, tiers: Sequence[Tier], stats: StoreStats, *, op_timeout_s: float,
-                 backoff_min_s: float, backoff_max_s: float) -> None:
+                 backoff_min_s: float, backoff_max_s: float, tier_timeouts: Mapping[str, float] | None = None) -> None:
         self.stats = stats
         self.op_timeout_s = op_timeout_s
+        self.timeouts = {t.name: float((tier_timeouts or {}).get(t.name, op_timeout_s)) for t in tiers}
         self.health = {t.name: TierHealth(t.name, backoff_min_s, backoff_max_s) for t in tiers}
+
+    def deadline(self, tiers: Sequence[Tier]) -> float:
+        """The longest a walk over ``tiers`` may take (each one's deadline, in turn)."""
+        return sum(self.timeouts[t.name] for t in tiers)
 
     def failed(self, tier: Tier, exc: BaseException) -> None:
         """Count and record one failure of ``tier``."""
@@ -40,7 +46,7 @@ class TierGuard:
             return default
         t0 = time.perf_counter()
         try:
-            result = await asyncio.wait_for(fn(), self.op_timeout_s)
+            result = await asyncio.wait_for(fn(), self.timeouts[tier.name])
         except asyncio.CancelledError:
             raise
         except Exception as exc:

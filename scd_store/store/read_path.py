@@ -112,7 +112,7 @@ class ReadPath:
                     tier.delete_now(key)
         if pending and first_remote < len(self.tiers):
             self.loop.run(self._walk_remote(first_remote, pending, keys, results, op, space),
-                          timeout=self.guard.op_timeout_s * (len(self.tiers) - first_remote) + 5.0)
+                          timeout=self.guard.deadline(self.tiers[first_remote:]) + 5.0)
         return results
 
     async def _walk_remote(self, start: int, pending: list[int], keys: list[str], results: list[Any], op: str,

@@ -12,6 +12,7 @@ each with its ``process`` record and its own counters.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -107,11 +108,26 @@ def _ints(raw: dict) -> dict[str, int]:
 
 
 class SnapshotFiles(StatsSink):
-    """Writes the process's whole snapshot to ``<directory>/<host>-<pid>.json`` (atomically)."""
+    """Writes the process's whole snapshot to ``<directory>/<host>-<pid>.json`` (atomically). On
+    start it removes this host's files of processes that are gone and were last written over 7 days
+    ago (the Redis records' lifetime)."""
 
     def __init__(self, directory: str | os.PathLike[str], process: ProcessInfo | None = None) -> None:
         self.directory = Path(directory)
         self.process = process or ProcessInfo.current()
+        self._prune()
+
+    def _prune(self) -> None:
+        now = time.time()
+        for path in self.directory.glob(f"{self.process.host}-*.json"):
+            pid = path.stem[len(self.process.host) + 1:]
+            try:
+                old = now - path.stat().st_mtime > PROCESS_TTL_S
+            except OSError:
+                continue
+            if old and pid.isdigit() and not _alive(int(pid)):
+                with contextlib.suppress(OSError):
+                    path.unlink()
 
     @property
     def path(self) -> Path:
@@ -124,6 +140,16 @@ class SnapshotFiles(StatsSink):
         with os.fdopen(fd, "w") as f:
             json.dump({"process": self.process.record(), **stats.snapshot()}, f)
         os.replace(tmp, self.path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def read_redis_stats(url: str) -> dict[str, Any]:

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from scd_store.store.blob import BlobMeta, Section, encode_blob
 from scd_store.store.guard import TierGuard
@@ -42,7 +42,8 @@ class TieredStore:
                  stats: StoreStats | None = None, op_timeout_s: float = 2.0, put_timeout_s: float = 30.0,
                  queue_size: int | Sequence[int] = 256, writers: int | Sequence[int] = 2,
                  backoff_min_s: float = 0.1, backoff_max_s: float = 5.0,
-                 stats_sink: StatsSink | None = None, stats_flush_s: float = 1.0) -> None:
+                 stats_sink: StatsSink | None = None, stats_flush_s: float = 1.0,
+                 tier_timeouts: Mapping[str, float] | None = None) -> None:
         if not tiers:
             raise ValueError("the store needs at least one tier")
         names = [t.name for t in tiers]
@@ -55,7 +56,7 @@ class TieredStore:
         self.op_timeout_s = op_timeout_s
         self.put_timeout_s = put_timeout_s
         self.guard = TierGuard(self.tiers, self.stats, op_timeout_s=op_timeout_s, backoff_min_s=backoff_min_s,
-                               backoff_max_s=backoff_max_s)
+                               backoff_max_s=backoff_max_s, tier_timeouts=tier_timeouts)
         self.health = self.guard.health
         n = len(self.tiers)
         self.write_behind = WriteBehind(self.tiers[1:], self.guard, self.stats,
@@ -81,7 +82,7 @@ class TieredStore:
     async def _start(self) -> None:
         for tier in self.tiers:
             try:
-                await asyncio.wait_for(tier.start(), self.op_timeout_s)
+                await asyncio.wait_for(tier.start(), self.guard.timeouts[tier.name])
             except Exception as exc:  # a tier that cannot start is down, not fatal
                 self.guard.failed(tier, exc)
         await self.write_behind.start()
@@ -178,7 +179,7 @@ class TieredStore:
                 self.guard.failed(top, exc)
         else:
             ok = self._loop.run(self.guard.call(top, "put", lambda: top.put_many(items), False, True),
-                                timeout=self.op_timeout_s + 5.0)
+                                timeout=self.guard.timeouts[top.name] + 5.0)
             if ok:
                 self.stats.inc("bytes_written", nbytes, tier=top.name, space=space.space_id)
         if len(self.tiers) > 1:

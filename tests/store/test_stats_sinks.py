@@ -47,3 +47,19 @@ def test_merging_keeps_histograms_exact():
     merged = merge_snapshots([one, two])
     (decode,) = [h for h in merged["latency"] if h["op"] == "decode"]
     assert decode["count"] == 2 and decode["p50_le_s"] == 0.0001 and decode["p99_le_s"] == 0.5
+
+
+def test_files_of_long_gone_processes_are_pruned(tmp_path):
+    import os
+
+    me = ProcessInfo.current("me")
+    gone = tmp_path / f"{me.host}-999999999.json"  # no such pid
+    recent = tmp_path / f"{me.host}-999999998.json"
+    alive = tmp_path / f"{me.host}-{os.getpid()}.json"
+    elsewhere = tmp_path / "another-host-999999999.json"
+    for path in (gone, recent, alive, elsewhere):
+        path.write_text("{}")
+    for path in (gone, alive, elsewhere):
+        os.utime(path, (1000, 1000))  # written long ago
+    SnapshotFiles(tmp_path, me)
+    assert not gone.exists() and recent.exists() and alive.exists() and elsewhere.exists()

@@ -58,3 +58,32 @@ def test_flush_waits_for_every_lower_tier(registry) -> None:
         assert len(slow.data) == 2 and store.stats.value("bytes_written", tier="slow") > 0
     finally:
         store.close()
+
+
+def test_each_tier_has_its_own_deadline(registry) -> None:
+    slow = SlowTier()  # 0.5 s per put
+    store = TieredStore([CpuTier(1 << 20), slow], registry, chunk_size=4, op_timeout_s=5.0,
+                        tier_timeouts={"slow": 0.05})
+    try:
+        assert store.guard.timeouts == {"cpu": 5.0, "slow": 0.05}
+        put_all(store, 1)
+        store.flush()
+        assert store.stats.value("tier_errors", tier="slow") == 1 and not slow.data  # its deadline, not 5 s
+    finally:
+        store.close()
+
+
+def test_tier_deadlines_come_from_the_config(tmp_path, monkeypatch) -> None:
+    from scd_store.store.build import open_store
+
+    monkeypatch.setenv("SCD_STORE_HOME", str(tmp_path / "home"))  # its stats snapshot goes there
+    from scd_store.store.config import StoreConfig, TierConfig
+
+    config = StoreConfig(tiers=(TierConfig("cpu", max_bytes="1MiB"),
+                                TierConfig("disk", path=str(tmp_path / "d"), max_bytes="1MiB", op_timeout_s=0.5)),
+                         registry_path=str(tmp_path / "r.json"), op_timeout_s=3.0)
+    store = open_store(config)
+    try:
+        assert store.guard.timeouts == {"cpu": 3.0, "disk": 0.5}
+    finally:
+        store.close()
