@@ -43,6 +43,17 @@ def write_store_yaml(path: Path, disk: Path) -> Path:
     return path
 
 
+def tiny_deployment(tmp_path: Path, consumers: tuple[str, ...] = ("consumer-a", "consumer-b")
+                    ) -> tuple[Path, Path, dict[str, str]]:
+    """A tiny bundle, an embedded store config and the environment engine processes run with."""
+    from tests.bundles import write_tiny_bundle
+
+    bundle = tmp_path / "bundle"
+    write_tiny_bundle(bundle, consumers=consumers)
+    return bundle, write_store_yaml(tmp_path / "store.yaml", tmp_path / "disk"), {
+        "SCD_STORE_HOME": str(tmp_path / "home")}
+
+
 def make_engine(model: str, config: LMCacheEngineConfig, kv: torch.Tensor, heads: int,
                 record_positions: bool = True) -> tuple[str, LMCacheEngine]:
     """A post-initialised engine for ``model`` whose KV lives in ``kv`` (``[2, L, T, heads * D]``)."""

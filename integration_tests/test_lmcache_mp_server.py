@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from integration_tests.lmcache_engines import write_store_yaml
+from integration_tests.lmcache_engines import tiny_deployment
 from integration_tests.lmcache_mp_client import BLOCK, TOKENS, producer_kv
 from integration_tests.lmcache_server import LMCacheServer
 from integration_tests.processes import JsonLineProcess
@@ -16,7 +16,7 @@ from scd_store.adapters.lmcache.layout import kv_2ltd_views
 from scd_store.codecs.kv_state import KVState
 from scd_store.codecs.scd.bundle import load_pair, load_space
 from scd_store.codecs.scd.codec import ScdCodec
-from tests.bundles import LAYOUT, PRODUCER, write_tiny_bundle
+from tests.bundles import LAYOUT, PRODUCER
 
 
 def client(server: LMCacheServer, model: str, env: dict, transfer: str = "lmcache_driven", salt: str = ""
@@ -41,10 +41,7 @@ def decoded(bundle, consumer: str, seed: int) -> torch.Tensor:
 
 @pytest.fixture
 def deployment(tmp_path):
-    bundle = tmp_path / "bundle"
-    write_tiny_bundle(bundle, consumers=("consumer-a", "consumer-b"))
-    store_yaml = write_store_yaml(tmp_path / "store.yaml", tmp_path / "disk")
-    env = {"SCD_STORE_HOME": str(tmp_path / "home")}
+    bundle, store_yaml, env = tiny_deployment(tmp_path)
     params = {"bundles": [str(bundle)], "store_config": str(store_yaml)}
     with LMCacheServer(tmp_path, params, chunk=BLOCK, env=env) as server:
         yield server, bundle, env, tmp_path

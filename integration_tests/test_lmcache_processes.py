@@ -11,14 +11,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from integration_tests.lmcache_engines import write_store_yaml
+from integration_tests.lmcache_engines import tiny_deployment
 from integration_tests.lmcache_process import dense_kv
 from integration_tests.processes import JsonLineProcess
 from scd_store.adapters.lmcache.layout import kv_2ltd_views
 from scd_store.codecs.kv_state import KVState
 from scd_store.codecs.scd.bundle import load_pair, load_space
 from scd_store.codecs.scd.codec import ScdCodec
-from tests.bundles import LAYOUT, PRODUCER, write_tiny_bundle
+from tests.bundles import LAYOUT, PRODUCER
 
 CHUNK, TOKENS = 16, 40
 
@@ -47,10 +47,7 @@ def decoded(bundle, consumer: str, seed: int) -> torch.Tensor:
 
 @pytest.fixture
 def deployment(tmp_path):
-    bundle = tmp_path / "bundle"
-    write_tiny_bundle(bundle, consumers=("consumer-a", "consumer-b"))
-    store_yaml = write_store_yaml(tmp_path / "store.yaml", tmp_path / "disk")
-    env = {"SCD_STORE_HOME": str(tmp_path / "home")}
+    bundle, store_yaml, env = tiny_deployment(tmp_path)
     processes: list[JsonLineProcess] = []
     yield bundle, store_yaml, env, tmp_path, processes
     for process in processes:
