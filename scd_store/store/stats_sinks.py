@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from scd_store.store.pids import pid_alive
 from scd_store.store.stats import REDIS_STATS_KEY, StoreStats, merge_snapshots, snapshot_from_fields
 
 PROCESS_TTL_S = 7 * 24 * 3600
@@ -125,7 +126,7 @@ class SnapshotFiles(StatsSink):
                 old = now - path.stat().st_mtime > PROCESS_TTL_S
             except OSError:
                 continue
-            if old and pid.isdigit() and not _alive(int(pid)):
+            if old and pid.isdigit() and not pid_alive(int(pid)):
                 with contextlib.suppress(OSError):
                     path.unlink()
 
@@ -140,16 +141,6 @@ class SnapshotFiles(StatsSink):
         with os.fdopen(fd, "w") as f:
             json.dump({"process": self.process.record(), **stats.snapshot()}, f)
         os.replace(tmp, self.path)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def read_redis_stats(url: str) -> dict[str, Any]:

@@ -27,6 +27,7 @@ import aiofiles
 import aiofiles.os
 
 from scd_store.store.keys import parse_key
+from scd_store.store.pids import pid_alive
 from scd_store.store.tiers.base import Tier, TierError, TierUsage
 
 SUFFIX = ".scdb"
@@ -34,22 +35,12 @@ TMP_SUFFIX = ".tmp"
 STALE_TMP_S = 3600.0
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    return True
-
-
 def stale_temp_file(name: str, mtime: float, now: float) -> bool:
     """Whether a temp file (``<blob>.<pid>.<uuid>.tmp``) is left over: its writer is gone, or it is old."""
     if now - mtime > STALE_TMP_S:
         return True
     parts = name.split(".")
-    return len(parts) >= 4 and parts[-3].isdigit() and not _alive(int(parts[-3]))
+    return len(parts) >= 4 and parts[-3].isdigit() and not pid_alive(int(parts[-3]))
 
 
 def scan(root: Path) -> list[tuple[float, str, int]]:
