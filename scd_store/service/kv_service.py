@@ -50,8 +50,6 @@ class KVService:
         self.store = store
         self.get_deadline_s = get_deadline_s
         self.bindings = Bindings(aliases)
-        self._producers: dict[str, ProducerView] = {}
-        self._consumers: dict[str, ConsumerView] = {}
         for bundle in bundles:
             for binding in bind_bundle(Path(bundle), store.registry, chunk_size=store.chunk_size,
                                        replace=replace_registrations):
@@ -75,18 +73,19 @@ class KVService:
         return self.bindings.roles()
 
     def _producer(self, binding: Binding) -> ProducerView:
-        view = self._producers.get(binding.model)
-        if view is None:
-            view = self.store.producer(binding.space.space_id, binding.model)
-            self._producers[binding.model] = view
-        return view
+        return self.store.producer(binding.space.space_id, binding.model)  # the store caches the registry's answer
 
     def _consumer(self, binding: Binding) -> ConsumerView:
-        view = self._consumers.get(binding.model)
-        if view is None:
-            view = self.store.consumer(binding.pair_id, binding.model)
-            self._consumers[binding.model] = view
-        return view
+        return self.store.consumer(binding.pair_id, binding.model)
+
+    def _producer_binding(self, model: str, chunks: int) -> Binding | None:
+        """``model``'s binding when it produces a space; else None, counted and logged (consumers never write)."""
+        binding = self.binding(model)
+        if binding is None or binding.role != "producer":
+            self.store.stats.inc("refused_requests")
+            log.info("scd-store: %r is not a registered producer; not storing %d chunks", model, chunks)
+            return None
+        return binding
 
     def _warn_once(self, what: str, message: str, *args: object) -> None:
         if what not in self._warned:
@@ -126,11 +125,8 @@ class KVService:
         """Hand a producer's chunks over without waiting: ``states()`` runs on the put worker (None: store
         nothing), then ``release()`` and ``done(chunks stored)``. False (and ``release()`` at once) when
         ``model`` is no producer or the queue is full (``dropped_puts``)."""
-        binding = self.binding(model)
         job = PutJob(model, list(hashes), states, release or (lambda: None), done)
-        if binding is None or binding.role != "producer":
-            self.store.stats.inc("refused_requests")
-            log.info("scd-store: %r is not a registered producer; not storing %d chunks", model, len(hashes))
+        if self._producer_binding(model, len(hashes)) is None:
             job.release()
             return False
         return self.puts.submit(job)
@@ -151,10 +147,8 @@ class KVService:
         """Encode a producer's chunks (one state per hash, at its absolute start) and store them.
 
         Returns the chunks stored: 0 when ``model`` produces no space (consumers never write)."""
-        binding = self.binding(model)
-        if binding is None or binding.role != "producer":
-            self.store.stats.inc("refused_requests")
-            log.info("scd-store: %r is not a registered producer; not storing %d chunks", model, len(hashes))
+        binding = self._producer_binding(model, len(hashes))
+        if binding is None:
             return 0
         if len(hashes) != len(states):
             raise ValueError(f"{len(hashes)} hashes for {len(states)} states")
