@@ -38,6 +38,7 @@ from scd_store.adapters.lmcache.layout import kv_2ltd_views, state_from_kv_2ltd
 from scd_store.adapters.lmcache.positions import PositionLedger
 from scd_store.service import EngineSettings, SettingsError, acquire_service, release_service
 from scd_store.service.hash_agreement import HashMismatch
+from scd_store.service.log_once import LogOnce
 
 log = logging.getLogger("scd_store.adapters.lmcache")
 POSITION_WAIT_S = 1.0  # how long an L1 chunk may wait for its MP_TOKENS event
@@ -89,7 +90,7 @@ class ScdL2Adapter(L2AdapterInterface):
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="scd-store-l2")
         self._next_id = 0
         self._id_lock = threading.Lock()
-        self._warned: set[str] = set()
+        self._once = LogOnce(log)
 
     # ----------------------------------------------------------------- helpers
     def _check_hashing(self) -> None:
@@ -111,17 +112,13 @@ class ScdL2Adapter(L2AdapterInterface):
             self._next_id += 1
             return self._next_id
 
-    def _warn_once(self, what: str, message: str, *args: Any) -> None:
-        if what not in self._warned:
-            self._warned.add(what)
-            log.warning(message, *args)
 
     def _role(self, keys: Sequence[ObjectKey]) -> tuple[str, str] | None:
         """``(model, role)`` of a batch: one model, world size 1, the attention group; else None."""
         if not keys or len({k.model_name for k in keys}) != 1:
             return None
         if any(ObjectKey.WorldSizeFromKVRank(k.kv_rank) != 1 or k.object_group_id != 0 for k in keys):
-            self._warn_once("layout", "scd-store: only world size 1 and the attention object group are coded; "
+            self._once.warn("layout", "scd-store: only world size 1 and the attention object group are coded; "
                             "other keys miss")
             return None
         binding = self.service.binding(keys[0].model_name)
@@ -153,7 +150,7 @@ class ScdL2Adapter(L2AdapterInterface):
             starts = self.positions.positions([k.chunk_hash for k in keys], timeout=POSITION_WAIT_S)
             if None in starts:
                 self.service.store.stats.inc("unpositioned_chunks", len(keys))
-                self._warn_once("positions", "scd-store: the server reported no positions for chunks of %r "
+                self._once.warn("positions", "scd-store: the server reported no positions for chunks of %r "
                                 "(MP_TOKENS events come with its server-driven transfer path); not storing them "
                                 "(counted as unpositioned_chunks; logged once)", model)
                 return None

@@ -40,6 +40,7 @@ from scd_store.adapters.lmcache.identity import ChunkIdentity, batch_identity, k
 from scd_store.adapters.lmcache.layout import chunk_hash_bytes, kv_2ltd_views, state_from_kv_2ltd
 from scd_store.codecs.kv_state import KVState
 from scd_store.service import EngineSettings, SettingsError, acquire_service, release_service
+from scd_store.service.log_once import LogOnce
 
 log = logging.getLogger("scd_store.adapters.lmcache")
 SETTINGS_PREFIX = "scd."
@@ -67,7 +68,7 @@ class ScdStoragePlugin(StoragePluginInterface):
         except Exception as exc:
             log.error("scd-store LMCache plugin: bad configuration: %s", exc)
             raise
-        self._warned: set[str] = set()
+        self._once = LogOnce(log)
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="scd-store-lmcache")
 
     # ----------------------------------------------------------------- construction checks
@@ -102,15 +103,11 @@ class ScdStoragePlugin(StoragePluginInterface):
         return "ScdStoragePlugin"
 
     # ----------------------------------------------------------------- helpers
-    def _warn_once(self, what: str, message: str, *args: Any) -> None:
-        if what not in self._warned:
-            self._warned.add(what)
-            log.warning(message, *args)
 
     def _identity(self, keys: Sequence[CacheEngineKey]) -> ChunkIdentity:
         identity = batch_identity(keys, self.model_tag, self.serves_adapters)
         if identity.model is None:
-            self._warn_once("unattributed", "scd-store: a request without the lmcache.tag.%s tag on an engine that "
+            self._once.warn("unattributed", "scd-store: a request without the lmcache.tag.%s tag on an engine that "
                             "serves adapters (serves_adapters) cannot be attributed to a model: not stored or served "
                             "(counted as unattributed_chunks; logged once)", self.model_tag)
             self.service.store.stats.inc("unattributed_chunks", len(keys))
@@ -142,7 +139,7 @@ class ScdStoragePlugin(StoragePluginInterface):
 
     def _unpositioned(self, model: str, count: int) -> None:
         self.service.store.stats.inc("unpositioned_chunks", count)
-        self._warn_once("positions", "scd-store: LMCache's GPU connector records no chunk positions "
+        self._once.warn("positions", "scd-store: LMCache's GPU connector records no chunk positions "
                         "(MemoryObj.metadata.cached_positions), so chunks of %r cannot be coded at their true "
                         "positions and are not stored (counted as unpositioned_chunks; logged once). Use a "
                         "connector that records them (embedded: "
@@ -175,7 +172,7 @@ class ScdStoragePlugin(StoragePluginInterface):
         if binding is None or binding.role != "producer":
             return None  # consumers never write; their own chunks stay in LMCache's other tiers
         if any(obj.metadata.fmt != MemoryFormat.KV_2LTD for obj in objs):
-            self._warn_once("fmt", "scd-store: LMCache chunk format %s is not supported (KV_2LTD only); not storing",
+            self._once.warn("fmt", "scd-store: LMCache chunk format %s is not supported (KV_2LTD only); not storing",
                             objs[0].metadata.fmt)
             return None
         starts = [self._start(obj) for obj in objs]
@@ -221,7 +218,7 @@ class ScdStoragePlugin(StoragePluginInterface):
             shape = torch.Size([2, layers, tokens, heads * dim])
             obj = self.local_cpu_backend.allocate(shape, keys[i].dtype, fmt=MemoryFormat.KV_2LTD)
             if obj is None:
-                self._warn_once("alloc", "scd-store: LMCache's CPU allocator is full; retrieved chunks dropped")
+                self._once.warn("alloc", "scd-store: LMCache's CPU allocator is full; retrieved chunks dropped")
                 return None
             allocated.append(obj)
             return kv_2ltd_views(obj.tensor, heads)

@@ -28,6 +28,7 @@ from scd_store.adapters.sglang.hashing import sglang_canary
 from scd_store.adapters.sglang.pages import LAYOUTS, flat_page, page_hash_bytes, read_page, write_page
 from scd_store.codecs.kv_state import KVState
 from scd_store.service import EngineSettings, SettingsError, acquire_service, release_service
+from scd_store.service.log_once import LogOnce
 
 log = logging.getLogger("scd_store.adapters.sglang")
 SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
@@ -92,7 +93,7 @@ class ScdHiCacheStorage(HiCacheStorage):
             log.warning("scd-store SGLang backend: model %r is in no bundle (bound: %s); every request misses",
                         self.model, self.service.models())
         self.mem_pool_host: Any = None
-        self._warned: set[str] = set()
+        self._once = LogOnce(log)
 
     # ----------------------------------------------------------------- set-up
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -114,22 +115,18 @@ class ScdHiCacheStorage(HiCacheStorage):
     def _role(self) -> str:
         return self.binding.role if self.binding is not None else ""
 
-    def _warn_once(self, what: str, message: str, *args: Any) -> None:
-        if what not in self._warned:
-            self._warned.add(what)
-            log.warning(message, *args)
 
     def _first_position(self, extra_info: HiCacheStorageExtraInfo | None, pages: int) -> int | None:
         if extra_info is not None and extra_info.prefix_keys is not None:
             return len(extra_info.prefix_keys) * self.mem_pool_host.page_size
         self.service.store.stats.inc("unpositioned_chunks", pages)
-        self._warn_once("positions", "scd-store: SGLang gave no prefix_keys, so page positions are unknown; not "
+        self._once.warn("positions", "scd-store: SGLang gave no prefix_keys, so page positions are unknown; not "
                         'storing (counted as unpositioned_chunks; logged once). Set "%s": true', PREFIX_KEYS_FLAG)
         return None
 
     def _pool_ready(self) -> bool:
         if self.mem_pool_host is None:
-            self._warn_once("pool", "scd-store: no host pool registered yet; miss")
+            self._once.warn("pool", "scd-store: no host pool registered yet; miss")
             return False
         return True
 
@@ -150,7 +147,7 @@ class ScdHiCacheStorage(HiCacheStorage):
             return [False] * len(keys)
         if self.serves_adapters:
             self.service.store.stats.inc("unattributed_chunks", len(keys))
-            self._warn_once("adapters", "scd-store: this SGLang server serves LoRA adapters, and SGLang gives a "
+            self._once.warn("adapters", "scd-store: this SGLang server serves LoRA adapters, and SGLang gives a "
                             "storage backend no request identity, so an adapter's pages cannot be told from the base "
                             "model's: not storing (counted as unattributed_chunks; logged once). Produce from a "
                             "server without --enable-lora")
@@ -215,7 +212,7 @@ class ScdHiCacheStorage(HiCacheStorage):
         return self.batch_set([key], [value])
 
     def clear(self) -> None:
-        self._warn_once("clear", "scd-store: clear() is ignored: codes are shared by every consumer of a space")
+        self._once.warn("clear", "scd-store: clear() is ignored: codes are shared by every consumer of a space")
 
     def get_stats(self) -> Any:
         """SGLang's ``StorageMetrics`` (``--enable-storage-metrics`` adds ``prefetch_stats`` to it), with

@@ -21,6 +21,7 @@ from scd_store.codecs.tensor_pack import PayloadError
 from scd_store.service.bindings import Binding, Bindings
 from scd_store.service.bundles import bind_bundle
 from scd_store.service.hash_agreement import HashAgreement, HashCanary
+from scd_store.service.log_once import LogOnce
 from scd_store.service.put_queue import PutJob, PutQueue
 from scd_store.store.tiered import TieredStore
 from scd_store.store.views import ConsumerView, ProducerView
@@ -57,7 +58,7 @@ class KVService:
         store.forget_registry_cache()
         self.puts = PutQueue(self._run_put, store.stats, max_chunks=put_queue_chunks)
         self.hashing = HashAgreement(store.registry, store.stats)
-        self._warned: set[str] = set()
+        self._once = LogOnce(log)
 
     @property
     def aliases(self) -> dict[str, str]:
@@ -87,10 +88,6 @@ class KVService:
             return None
         return binding
 
-    def _warn_once(self, what: str, message: str, *args: object) -> None:
-        if what not in self._warned:
-            self._warned.add(what)
-            log.warning(message, *args)
 
     def check_hashing(self, model: str, canary: HashCanary) -> None:
         """An engine's hashing canary: recorded for a producer, compared for a consumer (raises
@@ -139,7 +136,7 @@ class KVService:
             return self.put(job.model, job.hashes, states)
         except ValueError as exc:  # KV the space cannot code: nothing is stored, the engine goes on
             self.store.stats.inc("uncodable_chunks", len(job.hashes))
-            self._warn_once(f"uncodable:{job.model}", "scd-store: not storing chunks of %r the space cannot code "
+            self._once.warn(f"uncodable:{job.model}", "scd-store: not storing chunks of %r the space cannot code "
                             "(counted as uncodable_chunks; logged once): %s", job.model, exc)
             return 0
 
@@ -203,7 +200,7 @@ class KVService:
             if time.perf_counter() > deadline:
                 self.store.stats.inc("deadline_chunks", len(chunks) - i, space=binding.space.space_id,
                                      pair=binding.pair_id)
-                self._warn_once("deadline", "scd-store: a get passed its %.2f s deadline; the chunks decoded so far "
+                self._once.warn("deadline", "scd-store: a get passed its %.2f s deadline; the chunks decoded so far "
                                 "are the hit (counted as deadline_chunks; logged once)", self.get_deadline_s)
                 break
             buffers = into(i, chunk.token_count) if into is not None else None
