@@ -28,9 +28,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from scd_store.adapters.transformers.capture import prefill_capture
 from scd_store.adapters.transformers.layout import layout_of
+from scd_store.codecs.kv_state import KVState
 from scd_store.codecs.scd.codec import ScdCodec
 from scd_store.codecs.scd.decoder import PairDecoder
-from scd_store.codecs.scd.layout import to_features
+from scd_store.codecs.scd.layout import KVLayout, to_features
 from scd_store.codecs.scd.space import CodeSpace
 
 # SmolLM2-135M's geometry, for random-init timing runs
@@ -97,14 +98,19 @@ def random_model(device: str, dtype: torch.dtype, seed: int = 0) -> LlamaForCaus
     return LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).to(device=device, dtype=dtype).eval()
 
 
-def self_fitted_space(model: LlamaForCausalLM, ids: torch.Tensor, budget: float) -> CodeSpace:
-    """A code space fitted to ``model``'s own KV on ``ids`` (a stand-in for a calibrated one)."""
-    layout = layout_of(model)
-    state, _ = prefill_capture(model, ids)
+def space_fitted_to(state: KVState, layout: KVLayout, budget: float, space_id: str = "bench") -> CodeSpace:
+    """A code space fitted to ``state``'s own features past the sinks (a stand-in for a calibrated one:
+    encode and decode speed depend on the geometry and the budget, not on the weights)."""
     x = to_features(state.to("cpu", torch.float32), layout)[4:].double().transpose(0, 1)
     mean = x.mean(1)
     cov = torch.einsum("gtc,gtd->gcd", x - mean[:, None], x - mean[:, None]) / x.shape[1]
-    return CodeSpace.from_statistics("bench", layout, mean, cov, budget)
+    return CodeSpace.from_statistics(space_id, layout, mean, cov, budget)
+
+
+def self_fitted_space(model: LlamaForCausalLM, ids: torch.Tensor, budget: float) -> CodeSpace:
+    """A code space fitted to ``model``'s own KV on ``ids``."""
+    state, _ = prefill_capture(model, ids)
+    return space_fitted_to(state, layout_of(model), budget)
 
 
 def _cuda_variants(codec: ScdCodec, payload: bytes, source: torch.Tensor, config: DecodeBenchConfig,

@@ -21,11 +21,11 @@ from typing import Any
 import torch
 import yaml
 
+from scd_store.bench.decode import space_fitted_to
 from scd_store.codecs.kv_state import KVState
 from scd_store.codecs.scd.bundle import save_pair, save_space
 from scd_store.codecs.scd.decoder import PairDecoder
-from scd_store.codecs.scd.layout import KVLayout, to_features
-from scd_store.codecs.scd.space import CodeSpace
+from scd_store.codecs.scd.layout import KVLayout
 
 PRODUCER, CONSUMER = "bench-producer", "bench-consumer"
 
@@ -57,10 +57,7 @@ def _random_kv(layout: KVLayout, tokens: int, seed: int) -> KVState:
 
 def write_bench_bundle(path: Path, layout: KVLayout, budget: float) -> None:
     """A space of ``layout`` fitted to random correlated KV, with an identity decoder for one consumer."""
-    x = to_features(_random_kv(layout, 512, seed=1), layout)[4:].double().transpose(0, 1)
-    mean = x.mean(1)
-    cov = torch.einsum("gtc,gtd->gcd", x - mean[:, None], x - mean[:, None]) / x.shape[1]
-    space = CodeSpace.from_statistics("bench-space", layout, mean, cov, budget)
+    space = space_fitted_to(_random_kv(layout, 512, seed=1), layout, budget, "bench-space")
     save_space(path, space, extra={"producer": PRODUCER})
     g, c = layout.groups, layout.width
     save_pair(path, PairDecoder(CONSUMER, space.fingerprint, torch.zeros(g, c, c), torch.zeros(g, c), "c-fp"))
