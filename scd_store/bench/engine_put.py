@@ -11,6 +11,7 @@ last prompt it waits until every chunk is in the store (``drain_s``) and checks 
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -83,7 +84,8 @@ def run_engine_put_bench(config: EnginePutConfig) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="scd-bench-engine-put-"))
     write_bench_bundle(work / "bundle", layout, config.budget)
     (work / "store.yaml").write_text(yaml.safe_dump({"tiers": [{"kind": "cpu", "max_bytes": "1GiB"}],
-                                                     "registry_path": str(work / "registry.json")}))
+                                                     "registry_path": str(work / "registry.json"),
+                                                     "stats_path": str(work / "stats")}))
     extra = {"storage_plugin.scd.module_path": "scd_store.adapters.lmcache.plugin",
              "storage_plugin.scd.class_name": "ScdStoragePlugin",
              "scd.bundles": str(work / "bundle"), "scd.store_config": str(work / "store.yaml")}
@@ -138,3 +140,4 @@ def run_engine_put_bench(config: EnginePutConfig) -> dict[str, Any]:
                 "drain_s": round(drain_s, 3), "chunks_stored": stored, "chunks_offered": chunks * config.prompts}
     finally:
         LMCacheEngineBuilder.destroy(instance)
+        shutil.rmtree(work, ignore_errors=True)
