@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 import torch
 from safetensors.torch import save_file
 
+from integration_tests.processes import serve
 from scd_store.service import EngineSettings, acquire_service, release_service
 from scd_store.store.keys import chunk_hashes
 from tests.bundles import correlated_state
@@ -35,7 +35,7 @@ def token_ids(tokens: int) -> list[int]:
     return list(range(1000, 1000 + tokens))
 
 
-def main() -> int:
+def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("role")
     parser.add_argument("--settings", required=True)
@@ -43,31 +43,25 @@ def main() -> int:
     torch.set_num_threads(1)
     service = acquire_service(EngineSettings.from_mapping(json.loads(args.settings)))
     print(json.dumps({"ready": args.role, "models": service.models()}), flush=True)
-    for line in sys.stdin:
-        command = json.loads(line)
-        if "put" in command:
-            c = command["put"]
-            parts = chunks_of(c["tokens"], c["chunk"], c["seed"])
-            hashes = chunk_hashes(token_ids(c["tokens"]), c["chunk"])
-            queued = service.submit_put(c["model"], hashes, lambda parts=parts: parts)
-            print(json.dumps({"queued": queued, "drained": service.drain(timeout=60)}), flush=True)
-        elif "get" in command:
-            c = command["get"]
-            hashes = chunk_hashes(token_ids(c["tokens"]), c["chunk"])
-            found = service.contains(c["model"], hashes, tokens=len(hashes) * c["chunk"])
-            states = service.get(c["model"], hashes)
-            if states:
-                save_file({"keys": torch.cat([s.keys for s in states], 2).contiguous(),
-                           "values": torch.cat([s.values for s in states], 2).contiguous()}, c["out"])
-            by_tier = {t.name: service.store.stats.value("hit_chunks", tier=t.name) for t in service.store.tiers}
-            print(json.dumps({"found": found, "chunks": len(states), "starts": [s.start for s in states],
-                              "hits_by_tier": by_tier}), flush=True)
-        elif command.get("exit"):
-            release_service(service)
-            print(json.dumps({"exited": True}), flush=True)
-            return 0
-    return 1
+
+    def put(c: dict) -> dict:
+        parts = chunks_of(c["tokens"], c["chunk"], c["seed"])
+        hashes = chunk_hashes(token_ids(c["tokens"]), c["chunk"])
+        queued = service.submit_put(c["model"], hashes, lambda: parts)
+        return {"queued": queued, "drained": service.drain(timeout=60)}
+
+    def get(c: dict) -> dict:
+        hashes = chunk_hashes(token_ids(c["tokens"]), c["chunk"])
+        found = service.contains(c["model"], hashes, tokens=len(hashes) * c["chunk"])
+        states = service.get(c["model"], hashes)
+        if states:
+            save_file({"keys": torch.cat([s.keys for s in states], 2).contiguous(),
+                       "values": torch.cat([s.values for s in states], 2).contiguous()}, c["out"])
+        by_tier = {t.name: service.store.stats.value("hit_chunks", tier=t.name) for t in service.store.tiers}
+        return {"found": found, "chunks": len(states), "starts": [s.start for s in states], "hits_by_tier": by_tier}
+
+    serve({"put": put, "get": get}, lambda: release_service(service))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
@@ -29,6 +28,7 @@ os.environ.setdefault("LMCACHE_DISABLE_BANNER", "1")
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
+from integration_tests.processes import serve  # noqa: E402
 from tests.bundles import LAYOUT, correlated_state  # noqa: E402
 
 TOKENS, BLOCK = 64, 16
@@ -47,7 +47,7 @@ def block_rows(request, tokens: int) -> torch.Tensor:
     return (request.block_offset + t // BLOCK) * BLOCK + t % BLOCK
 
 
-def main() -> int:
+def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rpc-url", required=True)
     parser.add_argument("--http-url", required=True)
@@ -75,42 +75,37 @@ def main() -> int:
     caches = client._workers[0].kv_caches  # layer name -> (2, blocks, BLOCK, heads, dim)
     layers = [caches[f"layer.{i}"] for i in range(LAYOUT.num_layers)]
     print(json.dumps({"ready": args.model}), flush=True)
-    for line in sys.stdin:
-        command = json.loads(line)
-        if "store" in command:
-            c = command["store"]
-            request = client.create_request(c["seq"], f"store-{c['seq']}-{time.monotonic_ns()}", "store")
-            kv, rows = producer_kv(c["seed"]), block_rows(request, TOKENS)
-            for i, layer in enumerate(layers):
-                layer.view(2, -1, LAYOUT.kv_heads, LAYOUT.head_dim)[:, rows] = kv[:, i]
-            start = c.get("start", 0)
-            result = client.store(request, start, c.get("count", TOKENS - start))
+
+    def store(c: dict) -> dict:
+        request = client.create_request(c["seq"], f"store-{c['seq']}-{time.monotonic_ns()}", "store")
+        kv, rows = producer_kv(c["seed"]), block_rows(request, TOKENS)
+        for i, layer in enumerate(layers):
+            layer.view(2, -1, LAYOUT.kv_heads, LAYOUT.head_dim)[:, rows] = kv[:, i]
+        start = c.get("start", 0)
+        result = client.store(request, start, c.get("count", TOKENS - start))
+        client.end_session(request)
+        return {"stored": bool(result and result.succeeded)}
+
+    def retrieve(c: dict) -> dict:
+        for layer in layers:
+            layer.zero_()
+        deadline = time.monotonic() + c.get("wait_s", 0)
+        while True:
+            request = client.create_request(c["seq"], f"get-{c['seq']}-{time.monotonic_ns()}", "retrieve")
+            hit = client.lookup(request).hit_chunks
+            if hit >= c.get("want", 1) or time.monotonic() > deadline:
+                break
             client.end_session(request)
-            print(json.dumps({"stored": bool(result and result.succeeded)}), flush=True)
-        elif "retrieve" in command:
-            c = command["retrieve"]
-            for layer in layers:
-                layer.zero_()
-            deadline = time.monotonic() + c.get("wait_s", 0)
-            while True:
-                request = client.create_request(c["seq"], f"get-{c['seq']}-{time.monotonic_ns()}", "retrieve")
-                hit = client.lookup(request).hit_chunks
-                if hit >= c.get("want", 1) or time.monotonic() > deadline:
-                    break
-                client.end_session(request)
-                time.sleep(0.2)
-            ok = bool(hit) and client.retrieve(request, 0, hit * BLOCK).succeeded
-            client.end_session(request)
-            rows = block_rows(request, TOKENS)
-            got = torch.stack([layer.view(2, -1, LAYOUT.kv_heads, LAYOUT.head_dim)[:, rows] for layer in layers], 1)
-            save_file({"kv": got.contiguous()}, c["out"])
-            print(json.dumps({"hit_chunks": hit, "retrieved": ok}), flush=True)
-        elif command.get("exit"):
-            client.close()
-            print(json.dumps({"exited": True}), flush=True)
-            os._exit(0)
-    return 1
+            time.sleep(0.2)
+        ok = bool(hit) and client.retrieve(request, 0, hit * BLOCK).succeeded
+        client.end_session(request)
+        rows = block_rows(request, TOKENS)
+        got = torch.stack([layer.view(2, -1, LAYOUT.kv_heads, LAYOUT.head_dim)[:, rows] for layer in layers], 1)
+        save_file({"kv": got.contiguous()}, c["out"])
+        return {"hit_chunks": hit, "retrieved": ok}
+
+    serve({"store": store, "retrieve": retrieve}, client.close)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

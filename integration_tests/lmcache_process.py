@@ -18,7 +18,6 @@ import argparse
 import json
 import logging
 import os
-import sys
 
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
@@ -27,6 +26,7 @@ import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from integration_tests.lmcache_engines import make_engine, plugin_config, scd_backend  # noqa: E402
+from integration_tests.processes import serve  # noqa: E402
 from tests.bundles import LAYOUT, correlated_state  # noqa: E402
 
 MAX_TOKENS = 64
@@ -50,7 +50,7 @@ def dense_kv(tokens: int, seed: int) -> torch.Tensor:
     return kv.reshape(2, LAYOUT.num_layers, MAX_TOKENS, LAYOUT.kv_heads * LAYOUT.head_dim)[:, :, :tokens].half()
 
 
-def main() -> int:
+def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
     parser.add_argument("--bundle", required=True)
@@ -69,39 +69,35 @@ def main() -> int:
     instance, engine = make_engine(args.model, config, kv, LAYOUT.kv_heads)
     plugin = scd_backend(engine)
     print(json.dumps({"ready": args.model, "plugin": plugin is not None, "errors": errors.lines}), flush=True)
-    for line in sys.stdin:
-        command = json.loads(line)
-        if "store" in command:
-            c = command["store"]
-            n = c["tokens"]
-            kv.zero_()
-            kv[:, :, :n] = dense_kv(n, c["seed"])  # a prompt's first n tokens
-            mask = torch.ones(n, dtype=torch.bool)
-            mask[:c.get("skip_chunks", 0) * args.chunk] = False
-            engine.store(torch.arange(n) + 100, mask=mask, request_configs=c.get("tags") or None)
-            drained = plugin.drain(timeout=60) if plugin is not None else False
-            stats = plugin.service.store.stats if plugin is not None else None
-            print(json.dumps({"drained": drained, "puts": stats.value("puts") if stats else 0}), flush=True)
-        elif "retrieve" in command:
-            c = command["retrieve"]
-            n = c["tokens"]
-            kv.zero_()
-            tokens = torch.arange(n) + 100
-            tags = c.get("tags") or None
-            hit = engine.lookup(tokens, request_configs=tags)
-            if hit:
-                engine.retrieve(tokens[:hit], request_configs=tags)
-            save_file({"kv": kv[:, :, :n].contiguous()}, c["out"])
-            print(json.dumps({"hit": hit}), flush=True)
-        elif command.get("exit"):
-            from lmcache.v1.cache_engine import LMCacheEngineBuilder
 
-            LMCacheEngineBuilder.destroy(instance)  # closes the plugin: drains, writes this process's stats
-            print(json.dumps({"exited": True}), flush=True)
-            sys.stderr.flush()
-            os._exit(0)  # LMCache's worker threads would keep the interpreter alive
-    return 1
+    def store(c: dict) -> dict:
+        n = c["tokens"]
+        kv.zero_()
+        kv[:, :, :n] = dense_kv(n, c["seed"])  # a prompt's first n tokens
+        mask = torch.ones(n, dtype=torch.bool)
+        mask[:c.get("skip_chunks", 0) * args.chunk] = False
+        engine.store(torch.arange(n) + 100, mask=mask, request_configs=c.get("tags") or None)
+        drained = plugin.drain(timeout=60) if plugin is not None else False
+        return {"drained": drained, "puts": plugin.service.store.stats.value("puts") if plugin is not None else 0}
+
+    def retrieve(c: dict) -> dict:
+        n = c["tokens"]
+        kv.zero_()
+        tokens = torch.arange(n) + 100
+        tags = c.get("tags") or None
+        hit = engine.lookup(tokens, request_configs=tags)
+        if hit:
+            engine.retrieve(tokens[:hit], request_configs=tags)
+        save_file({"kv": kv[:, :, :n].contiguous()}, c["out"])
+        return {"hit": hit}
+
+    def close() -> None:
+        from lmcache.v1.cache_engine import LMCacheEngineBuilder
+
+        LMCacheEngineBuilder.destroy(instance)  # closes the plugin: drains, writes this process's stats
+
+    serve({"store": store, "retrieve": retrieve}, close)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

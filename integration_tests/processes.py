@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,6 +47,22 @@ class JsonLineProcess:
             self.proc.kill()
             _, err = self.proc.communicate()
         return err
+
+
+def serve(handlers: dict[str, Callable[[dict], dict]], on_exit: Callable[[], None]) -> None:
+    """The other side of :class:`JsonLineProcess`: for each line ``{name: args}`` on stdin, print
+    ``handlers[name](args)``; on ``{"exit": true}`` run ``on_exit`` and end the process at once (engine
+    libraries' worker threads would keep the interpreter alive)."""
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command.get("exit"):
+            on_exit()
+            print(json.dumps({"exited": True}), flush=True)
+            sys.stderr.flush()
+            os._exit(0)
+        ((name, args),) = command.items()
+        print(json.dumps(handlers[name](args)), flush=True)
+    os._exit(1)
 
 
 def free_port() -> int:

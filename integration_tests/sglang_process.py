@@ -16,15 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 import torch
 from safetensors.torch import save_file
 
+from integration_tests.processes import serve
 from integration_tests.sglang_harness import PAGE, HostPool, fill_producer, make_backend
 
 
-def main() -> int:
+def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
     parser.add_argument("--bundle", required=True)
@@ -44,28 +44,23 @@ def main() -> int:
         backend.close()
         os._exit(0)
     print(json.dumps({"ready": args.model}), flush=True)
-    for line in sys.stdin:
-        command = json.loads(line)
-        if "write" in command:
-            c = command["write"]
-            fill_producer(pool, host_base=0, seed=c["seed"], pages=len(c["keys"]), first_page=len(c["prefix"]))
-            done = backend.batch_set_v1(c["keys"], torch.arange(len(c["keys"]) * PAGE),
-                                        HiCacheStorageExtraInfo(prefix_keys=c["prefix"]))
-            print(json.dumps({"queued": all(done), "drained": backend.drain(timeout=60)}), flush=True)
-        elif "prefetch" in command:
-            c = command["prefetch"]
-            pool.kv_buffer.zero_()
-            hit = backend.batch_exists(c["keys"])
-            got = backend.batch_get_v1(c["keys"][:hit], torch.arange(hit * PAGE)) if hit else []
-            pages = torch.cat([pool.state_tokens(p * PAGE) for p in range(hit)], dim=3) if hit else torch.zeros(0)
-            save_file({"pages": pages.contiguous()}, c["out"])
-            print(json.dumps({"hit": hit, "got": sum(got)}), flush=True)
-        elif command.get("exit"):
-            backend.close()
-            print(json.dumps({"exited": True}), flush=True)
-            os._exit(0)
-    return 1
+
+    def write(c: dict) -> dict:
+        fill_producer(pool, host_base=0, seed=c["seed"], pages=len(c["keys"]), first_page=len(c["prefix"]))
+        done = backend.batch_set_v1(c["keys"], torch.arange(len(c["keys"]) * PAGE),
+                                    HiCacheStorageExtraInfo(prefix_keys=c["prefix"]))
+        return {"queued": all(done), "drained": backend.drain(timeout=60)}
+
+    def prefetch(c: dict) -> dict:
+        pool.kv_buffer.zero_()
+        hit = backend.batch_exists(c["keys"])
+        got = backend.batch_get_v1(c["keys"][:hit], torch.arange(hit * PAGE)) if hit else []
+        pages = torch.cat([pool.state_tokens(p * PAGE) for p in range(hit)], dim=3) if hit else torch.zeros(0)
+        save_file({"pages": pages.contiguous()}, c["out"])
+        return {"hit": hit, "got": sum(got)}
+
+    serve({"write": write, "prefetch": prefetch}, backend.close)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
