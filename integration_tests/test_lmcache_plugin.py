@@ -24,11 +24,18 @@ HEADS, DIM = LAYOUT.kv_heads, LAYOUT.head_dim
 
 @pytest.fixture
 def setup(tmp_path):
+    """The bundle, the store settings, and ``start(model, config, kv)``: an engine destroyed after the test."""
     bundle = tmp_path / "bundle"
     write_tiny_bundle(bundle, consumers=("consumer-a", "consumer-b"))
     store_yaml = write_store_yaml(tmp_path / "store.yaml", tmp_path / "disk")
     instances: list[str] = []
-    yield bundle, store_yaml, instances
+
+    def start(model: str, config, kv: torch.Tensor, record_positions: bool = True):
+        instance, engine = make_engine(model, config, kv, HEADS, record_positions=record_positions)
+        instances.append(instance)
+        return engine
+
+    yield bundle, store_yaml, start
     for instance in instances:
         LMCacheEngineBuilder.destroy(instance)
 
@@ -58,19 +65,17 @@ def expected_consumer_kv(bundle, consumer: str, kv: torch.Tensor) -> torch.Tenso
 
 
 def test_consumer_engine_retrieves_its_own_decode_of_the_producer_prefix(setup):
-    bundle, store_yaml, instances = setup
+    bundle, store_yaml, start = setup
     config = plugin_config([bundle], store_yaml, CHUNK)
     kv = producer_kv()
     tokens = torch.arange(100, 100 + TOKENS)
-    name, producer = make_engine(PRODUCER, config, kv, HEADS)
-    instances.append(name)
+    producer = start(PRODUCER, config, kv)
     assert isinstance(scd_backend(producer), ScdStoragePlugin)
     producer.store(tokens)
     assert scd_backend(producer).drain(timeout=30)
     for consumer in ("consumer-a", "consumer-b"):
         out = torch.zeros_like(kv)
-        name, engine = make_engine(consumer, config, out, HEADS)
-        instances.append(name)
+        engine = start(consumer, config, out)
         assert engine.lookup(tokens) == TOKENS
         retrieved = engine.retrieve(tokens)
         assert int(retrieved.sum()) == TOKENS
@@ -80,16 +85,14 @@ def test_consumer_engine_retrieves_its_own_decode_of_the_producer_prefix(setup):
 
 
 def test_unknown_model_misses_with_a_log_line(setup, caplog):
-    bundle, store_yaml, instances = setup
+    bundle, store_yaml, start = setup
     config = plugin_config([bundle], store_yaml, CHUNK)
     kv = producer_kv()
     tokens = torch.arange(TOKENS)
-    name, producer = make_engine(PRODUCER, config, kv, HEADS)
-    instances.append(name)
+    producer = start(PRODUCER, config, kv)
     producer.store(tokens)
     with caplog.at_level(logging.WARNING, logger="scd_store.adapters.lmcache"):
-        name, stranger = make_engine("stranger", config, torch.zeros_like(kv), HEADS)
-    instances.append(name)
+        stranger = start("stranger", config, torch.zeros_like(kv))
     assert "is in no bundle" in caplog.text
     assert stranger.lookup(tokens) == 0
 
@@ -97,16 +100,14 @@ def test_unknown_model_misses_with_a_log_line(setup, caplog):
 def refused_store(setup, caplog, kv: torch.Tensor, tokens: torch.Tensor, warning: str,
                   record_positions: bool = True) -> None:
     """The producer stores ``tokens``; the plugin logs ``warning``, stores nothing, the consumer misses."""
-    bundle, store_yaml, instances = setup
+    bundle, store_yaml, start = setup
     config = plugin_config([bundle], store_yaml, CHUNK)
-    name, producer = make_engine(PRODUCER, config, kv, HEADS, record_positions=record_positions)
-    instances.append(name)
+    producer = start(PRODUCER, config, kv, record_positions=record_positions)
     with caplog.at_level(logging.WARNING):
         producer.store(tokens)
         assert scd_backend(producer).drain(timeout=30)
     assert warning in caplog.text
-    name, consumer = make_engine("consumer-a", config, torch.zeros_like(kv), HEADS)
-    instances.append(name)
+    consumer = start("consumer-a", config, torch.zeros_like(kv))
     assert consumer.lookup(tokens) == 0  # the whole batch was refused: nothing half-stored
 
 
@@ -119,31 +120,28 @@ def test_without_chunk_positions_nothing_is_stored(setup, caplog):
 def test_a_store_that_skips_a_cached_prefix_is_coded_at_its_true_positions(setup):
     """Chunked prefill / a partial prefix hit: LMCache stores only the chunks after the first one
     (a mask whose leading tokens are False). Their positions start at 16, not 0."""
-    bundle, store_yaml, instances = setup
+    bundle, store_yaml, start = setup
     config = plugin_config([bundle], store_yaml, CHUNK)
     kv = producer_kv()
     tokens = torch.arange(3, 3 + TOKENS)
-    name, producer = make_engine(PRODUCER, config, kv, HEADS)
-    instances.append(name)
+    producer = start(PRODUCER, config, kv)
     mask = torch.ones(TOKENS, dtype=torch.bool)
     mask[:CHUNK] = False
     producer.store(tokens[:CHUNK])  # the first chunk, stored by an earlier request
     producer.store(tokens, mask=mask)
     assert scd_backend(producer).drain(timeout=30)
     out = torch.zeros_like(kv)
-    name, consumer = make_engine("consumer-a", config, out, HEADS)
-    instances.append(name)
+    consumer = start("consumer-a", config, out)
     assert consumer.lookup(tokens) == TOKENS
     consumer.retrieve(tokens)
     assert torch.equal(out, expected_consumer_kv(bundle, "consumer-a", kv))
 
 
 def test_puts_return_at_once_and_the_put_queue_bounds_what_waits(setup):
-    bundle, store_yaml, instances = setup
+    bundle, store_yaml, start = setup
     config = plugin_config([bundle], store_yaml, CHUNK, put_queue_chunks=3)
     kv = producer_kv()
-    name, producer = make_engine(PRODUCER, config, kv, HEADS)
-    instances.append(name)
+    producer = start(PRODUCER, config, kv)
     plugin = scd_backend(producer)
     gate = __import__("threading").Event()
     run = plugin.service.puts._run
@@ -195,16 +193,14 @@ def test_the_async_lookup_and_load_hooks_answer_like_the_blocking_ones(setup):
     """LMCache with async loading awaits batched_async_contains and batched_get_non_blocking on its event loop."""
     import asyncio
 
-    bundle, store_yaml, instances = setup
+    bundle, store_yaml, start = setup
     config = plugin_config([bundle], store_yaml, CHUNK)
     kv = producer_kv()
     tokens = torch.arange(500, 500 + TOKENS)
-    name, producer = make_engine(PRODUCER, config, kv, HEADS)
-    instances.append(name)
+    producer = start(PRODUCER, config, kv)
     producer.store(tokens)
     assert scd_backend(producer).drain(timeout=30)
-    name, consumer = make_engine("consumer-a", config, torch.zeros_like(kv), HEADS)
-    instances.append(name)
+    consumer = start("consumer-a", config, torch.zeros_like(kv))
     plugin = scd_backend(consumer)
     keys = [key for _, _, key in consumer.token_database.process_tokens(tokens)]
     assert asyncio.run(plugin.batched_async_contains("lookup-1", keys)) == 3
@@ -221,30 +217,25 @@ def test_the_async_lookup_and_load_hooks_answer_like_the_blocking_ones(setup):
 
 def test_a_consumer_engine_that_chunks_differently_fails_loudly(setup, caplog):
     """Another chunk size is another hash chain: the consumer's plugin refuses to start and says why."""
-    bundle, store_yaml, instances = setup
+    bundle, store_yaml, start = setup
     kv = producer_kv()
-    name, producer = make_engine(PRODUCER, plugin_config([bundle], store_yaml, CHUNK), kv, HEADS)
-    instances.append(name)
+    producer = start(PRODUCER, plugin_config([bundle], store_yaml, CHUNK), kv)
     with caplog.at_level(logging.ERROR):
-        name, consumer = make_engine("consumer-a", plugin_config([bundle], store_yaml, CHUNK // 2),
-                                     torch.zeros_like(kv), HEADS)
-    instances.append(name)
+        consumer = start("consumer-a", plugin_config([bundle], store_yaml, CHUNK // 2), torch.zeros_like(kv))
     assert scd_backend(consumer) is None  # LMCache logs a plugin that fails to construct and goes on without it
     assert f"chunk size: producer {CHUNK}, here {CHUNK // 2}" in caplog.text
     assert scd_backend(producer).service.store.stats.value("hash_mismatch") == 1
 
 
 def test_tenants_tagged_apart_never_read_each_others_codes(setup):
-    bundle, store_yaml, instances = setup
+    bundle, store_yaml, start = setup
     config = plugin_config([bundle], store_yaml, CHUNK)
     kv = producer_kv()
     tokens = torch.arange(700, 700 + TOKENS)
-    name, producer = make_engine(PRODUCER, config, kv, HEADS)
-    instances.append(name)
+    producer = start(PRODUCER, config, kv)
     producer.store(tokens, request_configs={"lmcache.tag.tenant": "acme"})
     assert scd_backend(producer).drain(timeout=30)
-    name, consumer = make_engine("consumer-a", config, torch.zeros_like(kv), HEADS)
-    instances.append(name)
+    consumer = start("consumer-a", config, torch.zeros_like(kv))
     assert consumer.lookup(tokens, request_configs={"lmcache.tag.tenant": "acme"}) == TOKENS
     assert consumer.lookup(tokens, request_configs={"lmcache.tag.tenant": "globex"}) == 0
     assert consumer.lookup(tokens) == 0  # untagged is a namespace of its own too
@@ -253,12 +244,11 @@ def test_tenants_tagged_apart_never_read_each_others_codes(setup):
 def test_a_lora_adapter_on_the_base_engine_reads_as_its_pair_and_never_writes(setup):
     """LMCache keys carry no LoRA id: on an engine that serves adapters each request names its model
     with the lmcache.tag.scd_model tag; an untagged request is neither stored nor served."""
-    bundle, store_yaml, instances = setup
+    bundle, store_yaml, start = setup
     config = plugin_config([bundle], store_yaml, CHUNK, serves_adapters=True)
     kv = producer_kv()
     tokens = torch.arange(900, 900 + TOKENS)
-    name, base = make_engine(PRODUCER, config, kv, HEADS)  # one engine: the base model and its adapters
-    instances.append(name)
+    base = start(PRODUCER, config, kv)  # one engine: the base model and its adapters
     plugin = scd_backend(base)
     base.store(tokens)  # which model? unknown: not stored
     # an adapter's own KV (other tokens: LMCache's own CPU tier keeps its raw copy): never coded
