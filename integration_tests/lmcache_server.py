@@ -11,7 +11,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from integration_tests.processes import ROOT, free_port
+from integration_tests.processes import ROOT, free_port, stop_process
 
 
 class LMCacheServer:
@@ -46,10 +46,4 @@ class LMCacheServer:
         raise RuntimeError(f"lmcache server did not come up: {self.log.read_text()[-4000:]}")
 
     def __exit__(self, *exc: object) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, timeout=30)

@@ -65,6 +65,18 @@ def serve(handlers: dict[str, Callable[[dict], dict]], on_exit: Callable[[], Non
     os._exit(1)
 
 
+def stop_process(proc: subprocess.Popen | None, timeout: float) -> None:
+    """SIGTERM a process still running, SIGKILL it if it has not exited within ``timeout`` seconds."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=timeout)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

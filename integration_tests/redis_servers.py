@@ -15,6 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from integration_tests.processes import stop_process
+
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
 
@@ -95,13 +97,7 @@ class RedisServer:
             self.proc.wait(timeout=10)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        stop_process(self.proc, timeout=10)
         self.proc = None
 
     def restart(self) -> RedisServer:
