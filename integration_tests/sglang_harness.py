@@ -3,11 +3,10 @@ factory call that builds a backend, and synthetic producer pages."""
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+from sglang.srt.mem_cache.utils import get_hash_str
 
 from scd_store.adapters.sglang.backend import ScdHiCacheStorage
 from scd_store.adapters.sglang.pages import flat_page
@@ -47,11 +46,8 @@ class HostPool:
 
 
 def page_keys(n: int) -> list[str]:
-    keys, parent = [], b""
-    for i in range(n):
-        parent = hashlib.sha256(parent + bytes([i]) * PAGE).digest()
-        keys.append(parent.hex())
-    return keys
+    """The storage keys SGLang's HiRadixCache gives ``n`` pages of a prompt (no namespace), by its own hash."""
+    return get_hash_str(list(range(n * PAGE)), None, page_size=PAGE)
 
 
 def make_backend(model: str, bundle, store_yaml, prefix_keys: bool | None = True, **scd) -> ScdHiCacheStorage:
