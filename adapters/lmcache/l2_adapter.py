@@ -37,6 +37,7 @@ from scd_store.adapters.lmcache.hashing import mp_server_canary
 from scd_store.adapters.lmcache.layout import kv_2ltd_views, state_from_kv_2ltd
 from scd_store.adapters.lmcache.positions import PositionLedger
 from scd_store.service import EngineSettings, SettingsError, acquire_service, release_service
+from scd_store.service.bindings import Binding
 from scd_store.service.hash_agreement import HashMismatch
 from scd_store.service.log_once import LogOnce
 
@@ -112,9 +113,9 @@ class ScdL2Adapter(L2AdapterInterface):
             self._next_id += 1
             return self._next_id
 
-
-    def _role(self, keys: Sequence[ObjectKey]) -> tuple[str, str] | None:
-        """``(model, role)`` of a batch: one model, world size 1, the attention group; else None."""
+    def _model(self, keys: Sequence[ObjectKey], role: str) -> tuple[str, Binding] | None:
+        """The engine model name and binding of a batch of ``role``'s keys (one model, world size 1,
+        the attention group); else None."""
         if not keys or len({k.model_name for k in keys}) != 1:
             return None
         if any(ObjectKey.WorldSizeFromKVRank(k.kv_rank) != 1 or k.object_group_id != 0 for k in keys):
@@ -122,7 +123,7 @@ class ScdL2Adapter(L2AdapterInterface):
                             "other keys miss")
             return None
         binding = self.service.binding(keys[0].model_name)
-        return (keys[0].model_name, binding.role) if binding is not None else None
+        return (keys[0].model_name, binding) if binding is not None and binding.role == role else None
 
     # ----------------------------------------------------------------- event fds
     def get_store_event_fd(self) -> int:
@@ -139,12 +140,12 @@ class ScdL2Adapter(L2AdapterInterface):
         """Producer chunks go to the put worker; the task completes once they are stored (LMCache holds
         the objects' read locks until then). Anything else completes at once, storing nothing."""
         task_id = self._task_id()
-        role = self._role(keys)
-        if role is None or role[1] != "producer":
+        producer = self._model(keys, "producer")
+        if producer is None:
             self._stores.finish(task_id, L2StoreResult(True, 0))
             return task_id
-        model = role[0]
-        heads = self.service.binding(model).space.layout.kv_heads
+        model, binding = producer
+        heads = binding.space.layout.kv_heads
 
         def states() -> list | None:
             starts = self.positions.positions([k.chunk_hash for k in keys], timeout=POSITION_WAIT_S)
@@ -177,10 +178,10 @@ class ScdL2Adapter(L2AdapterInterface):
     def _lookup(self, task_id: L2TaskId, keys: list[ObjectKey], chunk_tokens: int | None) -> None:
         bitmap = Bitmap(len(keys))
         try:
-            role = self._role(keys)
-            if role is not None and role[1] == "consumer":
+            consumer = self._model(keys, "consumer")
+            if consumer is not None:
                 tokens = len(keys) * chunk_tokens if chunk_tokens else None
-                found = self.service.contains(role[0], [object_hash(k) for k in keys], tokens=tokens)
+                found = self.service.contains(consumer[0], [object_hash(k) for k in keys], tokens=tokens)
                 if found:
                     bitmap.set_range(0, found)
         except Exception as exc:  # a lookup that fails is a miss
@@ -201,15 +202,16 @@ class ScdL2Adapter(L2AdapterInterface):
     def _load(self, task_id: L2TaskId, keys: list[ObjectKey], objects: list[MemoryObj]) -> None:
         bitmap = Bitmap(len(keys))
         try:
-            role = self._role(keys)
-            if role is not None and role[1] == "consumer":
-                heads = self.service.binding(role[0]).space.layout.kv_heads
+            consumer = self._model(keys, "consumer")
+            if consumer is not None:
+                model, binding = consumer
+                heads = binding.space.layout.kv_heads
 
                 def into(i: int, tokens: int) -> Any:
                     tensor = objects[i].tensor
                     return kv_2ltd_views(tensor, heads) if tensor is not None and tensor.shape[2] == tokens else None
 
-                states = self.service.get(role[0], [object_hash(k) for k in keys], into=into)
+                states = self.service.get(model, [object_hash(k) for k in keys], into=into)
                 if states:
                     bitmap.set_range(0, len(states))
         except Exception as exc:  # a load that fails is a miss
