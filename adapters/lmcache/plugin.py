@@ -103,7 +103,6 @@ class ScdStoragePlugin(StoragePluginInterface):
         return "ScdStoragePlugin"
 
     # ----------------------------------------------------------------- helpers
-
     def _identity(self, keys: Sequence[CacheEngineKey]) -> ChunkIdentity:
         identity = batch_identity(keys, self.model_tag, self.serves_adapters)
         if identity.model is None:
@@ -113,13 +112,13 @@ class ScdStoragePlugin(StoragePluginInterface):
             self.service.store.stats.inc("unattributed_chunks", len(keys))
         return identity
 
-    def _consumer(self, keys: Sequence[CacheEngineKey]) -> ChunkIdentity | None:
-        """The identity of a consumer's batch, or None when the batch is no registered consumer's."""
+    def _batch(self, keys: Sequence[CacheEngineKey], role: str) -> ChunkIdentity | None:
+        """The identity of a batch of ``role``'s (producer, consumer) keys; None when it is no such model's."""
         if not keys:
             return None
         identity = self._identity(keys)
         binding = self.service.binding(identity.model) if identity.model is not None else None
-        return identity if binding is not None and binding.role == "consumer" else None
+        return identity if binding is not None and binding.role == role else None
 
     @staticmethod
     def _hashes(keys: Sequence[CacheEngineKey], identity: ChunkIdentity) -> list[bytes]:
@@ -150,7 +149,7 @@ class ScdStoragePlugin(StoragePluginInterface):
         return self.batched_contains([key], pin) == 1
 
     def batched_contains(self, keys: list[CacheEngineKey], pin: bool = False) -> int:
-        identity = self._consumer(keys)
+        identity = self._batch(keys, "consumer")
         if identity is None:
             return 0
         return self.service.contains(identity.model, self._hashes(keys, identity),
@@ -164,13 +163,10 @@ class ScdStoragePlugin(StoragePluginInterface):
                                 on_complete_callback: Callable[[CacheEngineKey], None] | None = None) -> None:
         """Hand the chunks to the put worker and return: they are converted, encoded and stored off the
         engine's thread, holding a reference on each memory object until then."""
-        if not keys:
-            return None
-        identity = self._identity(keys)
-        model = identity.model
-        binding = self.service.binding(model) if model is not None else None
-        if binding is None or binding.role != "producer":
+        identity = self._batch(keys, "producer")
+        if identity is None:
             return None  # consumers never write; their own chunks stay in LMCache's other tiers
+        model = identity.model
         if any(obj.metadata.fmt != MemoryFormat.KV_2LTD for obj in objs):
             self._once.warn("fmt", "scd-store: LMCache chunk format %s is not supported (KV_2LTD only); not storing",
                             objs[0].metadata.fmt)
@@ -207,7 +203,7 @@ class ScdStoragePlugin(StoragePluginInterface):
 
     def batched_get_blocking(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
         out: list[MemoryObj | None] = [None] * len(keys)
-        identity = self._consumer(keys)
+        identity = self._batch(keys, "consumer")
         if identity is None:
             return out
         layers, _, _, heads, dim = self.metadata.kv_shape
