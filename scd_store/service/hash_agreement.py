@@ -77,7 +77,7 @@ class HashAgreement:
         self.registry = registry
         self.stats = stats
         self.recheck_s = recheck_s
-        self._pending: dict[str, tuple[Binding, HashCanary, float]] = {}  # consumer model -> last check
+        self._pending: dict[str, tuple[HashCanary, float]] = {}  # consumer model -> its canary, last check
         self._failed: set[str] = set()
         self._message = ""
 
@@ -88,7 +88,7 @@ class HashAgreement:
         if binding.role == "producer":
             self.registry.record_canary(space_id, canary.engine, canary.record(binding.model))
             return
-        self._pending[binding.model] = (binding, canary, 0.0)
+        self._pending[binding.model] = (canary, 0.0)
         if not self.ok(binding):
             raise HashMismatch(self._message)
 
@@ -99,11 +99,11 @@ class HashAgreement:
         pending = self._pending.get(binding.model)
         if pending is None:
             return True
-        _, canary, last = pending
+        canary, last = pending
         now = time.monotonic()
         if now - last < self.recheck_s:
             return True
-        self._pending[binding.model] = (binding, canary, now)
+        self._pending[binding.model] = (canary, now)
         recorded = self.registry.canaries(binding.space.space_id)
         if not recorded:
             return True  # the producer has not started yet: check again later
