@@ -115,7 +115,6 @@ class ScdHiCacheStorage(HiCacheStorage):
     def _role(self) -> str:
         return self.binding.role if self.binding is not None else ""
 
-
     def _first_position(self, extra_info: HiCacheStorageExtraInfo | None, pages: int) -> int | None:
         if extra_info is not None and extra_info.prefix_keys is not None:
             return len(extra_info.prefix_keys) * self.mem_pool_host.page_size

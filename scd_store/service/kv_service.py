@@ -88,7 +88,6 @@ class KVService:
             return None
         return binding
 
-
     def check_hashing(self, model: str, canary: HashCanary) -> None:
         """An engine's hashing canary: recorded for a producer, compared for a consumer (raises
         :class:`~scd_store.service.hash_agreement.HashMismatch` when it differs from its producer's)."""
@@ -211,16 +210,12 @@ class KVService:
                     state = binding.codec.decode(chunk.payload, device=device, dtype=dtype)
                 else:
                     state = binding.codec.decode_into(chunk.payload, *buffers)
+                if state.num_tokens != chunk.token_count:
+                    raise PayloadError(f"it decodes to {state.num_tokens} tokens; its header says {chunk.token_count}")
             except PayloadError as exc:
                 self.store.stats.inc("refused_chunks", tier=chunk.tier, space=binding.space.space_id,
                                      pair=binding.pair_id)
-                log.warning("scd-store: chunk %s refused by the codec: %s", chunk.key, exc)
-                break
-            if state.num_tokens != chunk.token_count:
-                self.store.stats.inc("refused_chunks", tier=chunk.tier, space=binding.space.space_id,
-                                     pair=binding.pair_id)
-                log.warning("scd-store: chunk %s decodes to %d tokens, its header says %d", chunk.key,
-                            state.num_tokens, chunk.token_count)
+                log.warning("scd-store: chunk %s refused (a miss from here on): %s", chunk.key, exc)
                 break
             states.append(state)
         if chunks:

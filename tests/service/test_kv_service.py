@@ -85,6 +85,11 @@ def test_a_codec_refusal_ends_the_run_and_is_counted(store, bundle, tmp_path):
     store.producer("tiny-space", PRODUCER).put([HASHES[1]], [bad.encode(parts[1])], [8], codec_id=bad.codec_id)
     assert len(service.get("consumer-a", HASHES)) == 1
     assert store.stats.value("refused_chunks", pair="tiny-space/consumer-a") == 1
+    # a payload that decodes to another token count than its blob header says is refused too
+    good = service.binding(PRODUCER).codec
+    store.producer("tiny-space", PRODUCER).put([HASHES[1]], [good.encode(parts[1])], [4], codec_id=good.codec_id)
+    assert len(service.get("consumer-a", HASHES)) == 1
+    assert store.stats.value("refused_chunks", pair="tiny-space/consumer-a") == 2
 
 
 def test_bad_configuration_fails_loudly(store, bundle, tmp_path):
