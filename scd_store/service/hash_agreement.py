@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from importlib import metadata as package_metadata
 
 from scd_store.service.bindings import Binding
 from scd_store.service.settings import SettingsError
@@ -21,6 +22,16 @@ from scd_store.store.stats import StoreStats
 
 log = logging.getLogger("scd_store.service")
 DOCS = "docs/engines.md#hash-agreement"
+
+
+def package_version(*names: str) -> str:
+    """The installed version of the first of ``names`` present, for a canary's settings; "(absent)" if none is."""
+    for name in names:
+        try:
+            return package_metadata.version(name)
+        except package_metadata.PackageNotFoundError:
+            continue
+    return "(absent)"
 
 
 def canary_tokens(chunk_size: int) -> list[int]:
