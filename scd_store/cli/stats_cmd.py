@@ -35,7 +35,8 @@ def load_view(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     if path.is_file():
         data = json.loads(path.read_text())
         return {**data, "processes": [data] if "process" in data else []}, str(path)
-    return read_snapshot_files(path), f"{path} ({len(list(path.glob('*.json'))) if path.is_dir() else 0} processes)"
+    view = read_snapshot_files(path)
+    return view, f"{path} ({len(view['processes'])} processes)"
 
 
 def _pct(value: float | None) -> str:
