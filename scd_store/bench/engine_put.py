@@ -5,7 +5,9 @@ prompts one after another, as a serving engine's store path does; per prompt the
 ``LMCacheEngine.store()`` (the engine thread's whole wait) and, inside it, the plugin's
 ``batched_submit_put_task``. The code space has SmolLM2-135M's KV geometry, fitted to random
 correlated KV (encode cost depends on the geometry and the budget, not on the weights). After the
-last prompt it waits until every chunk is in the store (``drain_s``) and checks they all are.
+last prompt it waits until every chunk is in the store (``drain_s``) and checks they all are. Then,
+in the same run and on the same engine, it stores as many new prompts with the encode on the
+engine's thread (the path without the put queue, ``encode_on_engine_thread``), side by side.
 """
 
 from __future__ import annotations
@@ -71,8 +73,27 @@ def _ms(times: list[float]) -> dict[str, float]:
             "max_ms": round(ordered[-1] * 1e3, 3)}
 
 
+def inline_submit_put(service: Any) -> Any:
+    """A ``submit_put`` that builds, encodes and stores on the caller's thread (the path without the
+    put queue), for the bench's baseline."""
+
+    def submit_put(model: str, hashes: Any, states: Any, *, release: Any = None, done: Any = None) -> bool:
+        try:
+            built = states()
+            stored = service.put(model, hashes, built) if built is not None else 0
+        finally:
+            if release is not None:
+                release()
+        if done is not None:
+            done(stored)
+        return True
+
+    return submit_put
+
+
 def run_engine_put_bench(config: EnginePutConfig) -> dict[str, Any]:
-    """Per-prompt store latencies on the engine's thread, and the time until everything is stored."""
+    """Per-prompt store latencies on the engine's thread with the put queue, then (same engine, same
+    run, new prompts) with the encode on the engine's thread; and the time until everything is stored."""
     os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
     from lmcache.v1.cache_engine import LMCacheEngineBuilder
     from lmcache.v1.config import LMCacheEngineConfig
@@ -101,6 +122,24 @@ def run_engine_put_bench(config: EnginePutConfig) -> dict[str, Any]:
     engine = LMCacheEngineBuilder.get_or_create(instance, lm_config, metadata, DenseKVConnector(kv), None, None)
     engine.post_init()
     plugin = engine.storage_manager.storage_backends["scd"]
+    try:
+        queued = _store_prompts(engine, plugin, kv, layout, config, first=0)
+        plugin.service.submit_put = inline_submit_put(plugin.service)
+        inline = _store_prompts(engine, plugin, kv, layout, config, first=config.prompts)
+        return {"config": {k: getattr(config, k) for k in config.__slots__}, "cpus": os.cpu_count(),
+                "put_queue": queued, "encode_on_engine_thread": inline,
+                "store_p50_ratio": round(inline["engine_store"]["p50_ms"] / queued["engine_store"]["p50_ms"], 1)}
+    finally:
+        LMCacheEngineBuilder.destroy(instance)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _store_prompts(engine: Any, plugin: Any, kv: torch.Tensor, layout: KVLayout, config: EnginePutConfig,
+                   first: int) -> dict[str, Any]:
+    """Store prompts ``first .. first + prompts - 1`` one after another, timing ``store()`` and the
+    plugin's put; then drain and count the chunks in the store."""
+    from scd_store.adapters.lmcache.layout import chunk_hash_bytes
+
     inner = plugin.batched_submit_put_task
     plugin_times: list[float] = []
 
@@ -115,7 +154,7 @@ def run_engine_put_bench(config: EnginePutConfig) -> dict[str, Any]:
     store_times: list[float] = []
     prompts = []
     try:
-        for i in range(config.prompts):
+        for i in range(first, first + config.prompts):
             state = _random_kv(layout, config.prompt_tokens, seed=100 + i)
             kv.copy_(torch.stack([state.keys, state.values]).permute(0, 1, 3, 2, 4).reshape(kv.shape))
             tokens = torch.arange(config.prompt_tokens) + i * config.prompt_tokens
@@ -123,21 +162,14 @@ def run_engine_put_bench(config: EnginePutConfig) -> dict[str, Any]:
             t0 = time.perf_counter()
             engine.store(tokens)
             store_times.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        drain = getattr(plugin, "drain", None)
-        if drain is not None:
-            drain(timeout=600)
-        drain_s = time.perf_counter() - t0
-        from scd_store.adapters.lmcache.layout import chunk_hash_bytes
-
-        chunks = config.prompt_tokens // config.chunk_tokens
-        stored = 0
-        for tokens in prompts:
-            keys = [key for _, _, key in engine.token_database.process_tokens(tokens)]
-            stored += plugin.service.contains(PRODUCER, [chunk_hash_bytes(k.chunk_hash) for k in keys])
-        return {"config": {k: getattr(config, k) for k in config.__slots__}, "cpus": os.cpu_count(),
-                "engine_store": _ms(store_times), "plugin_put": _ms(plugin_times[:config.prompts]),
-                "drain_s": round(drain_s, 3), "chunks_stored": stored, "chunks_offered": chunks * config.prompts}
     finally:
-        LMCacheEngineBuilder.destroy(instance)
-        shutil.rmtree(work, ignore_errors=True)
+        plugin.batched_submit_put_task = inner
+    t0 = time.perf_counter()
+    plugin.drain(timeout=600)
+    drain_s = time.perf_counter() - t0
+    stored = 0
+    for tokens in prompts:
+        keys = [key for _, _, key in engine.token_database.process_tokens(tokens)]
+        stored += plugin.service.contains(PRODUCER, [chunk_hash_bytes(k.chunk_hash) for k in keys])
+    return {"engine_store": _ms(store_times), "plugin_put": _ms(plugin_times), "drain_s": round(drain_s, 3),
+            "chunks_stored": stored, "chunks_offered": config.prompt_tokens // config.chunk_tokens * config.prompts}
