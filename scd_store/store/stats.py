@@ -36,6 +36,8 @@ COUNTERS: dict[str, str] = {
     "uncodable_chunks": "producer chunks the code space cannot code (shape, NaN or inf): not stored",
     "unpositioned_chunks": "producer chunks whose absolute position the engine did not give: not stored",
     "unattributed_chunks": "chunks of requests an adapter-serving engine did not attribute to a model: not served",
+    "unkeyable_requests": "engine requests whose token ids do not say what their KV holds (prompt embeddings, "
+                          "multimodal inputs): neither stored nor served",
     "deadline_chunks": "chunks a get left undecoded because its deadline had passed",
     "refused_chunks": "stored chunks the consumer's codec refused (another packing or space): a miss",
     "hash_mismatch": "engine processes whose chunk hashing differs from their space's producer (canary)",

@@ -1,0 +1,143 @@
+"""scd-store as a vLLM v1 KV connector (``KVConnectorBase_V1``; vLLM 0.32, vLLM-CPU's paged cache).
+
+Launch flags::
+
+    python -m vllm.entrypoints.openai.api_server --model DIR --served-model-name NAME
+        --kv-transfer-config '{"kv_connector": "ScdConnector",
+            "kv_connector_module_path": "scd_store.adapters.vllm.connector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"bundles": ["/path/to/bundle"],
+                                          "store_config": "/path/to/scd-store.yaml"}}'
+
+The extra config holds the settings every scd-store adapter reads
+(:mod:`scd_store.service.settings`). Requests of a space's producer (the served model, no
+adapter) store their prompt's whole chunks as codes; requests of a registered consumer (the served
+model, or a LoRA adapter by its ``--lora-modules`` name) load the leading run of stored chunks,
+decoded into their own KV. Everyone else is a clean miss. A load that cannot be decoded is
+recomputed by vLLM, never served.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from scd_store.adapters.vllm.hashing import chain_canary
+from scd_store.adapters.vllm.plan import StepPlan
+from scd_store.adapters.vllm.scheduler_side import SchedulerSide
+from scd_store.adapters.vllm.worker_side import WorkerSide
+from scd_store.service import EngineSettings, SettingsError, acquire_service, release_service
+from scd_store.service.hash_agreement import HashMismatch
+
+if TYPE_CHECKING:
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("scd_store.adapters.vllm")
+
+
+def served_model_name(vllm_config: VllmConfig) -> str:
+    """The name clients call the server's model by (the first ``--served-model-name``, else the path)."""
+    name = vllm_config.model_config.served_model_name
+    return name[0] if isinstance(name, (list, tuple)) else str(name)
+
+
+class ScdConnector(KVConnectorBase_V1):
+    """scd-store's codes as vLLM's external KV cache: the scheduler half plans, the worker half moves KV."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        settings = EngineSettings.from_mapping(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.served_model = served_model_name(vllm_config)
+        block_size = vllm_config.cache_config.block_size
+        self.service = acquire_service(settings)
+        try:
+            chunk_size = self.service.store.chunk_size
+            if chunk_size % block_size:
+                raise SettingsError(f"scd-store's chunk_size ({chunk_size}) must be a multiple of vLLM's block size "
+                                    f"({block_size}): set --block-size or the store's chunk_size")
+            if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+                log.info("scd-store: kv_load_failure_policy set to 'recompute' (a code that cannot be decoded is "
+                         "recomputed by the engine, never a failed request)")
+                self._kv_transfer_config.kv_load_failure_policy = "recompute"
+            self.check_hashing(self.served_model)
+        except BaseException:
+            release_service(self.service)
+            raise
+        self._checked = {self.served_model}
+        self._scheduler = SchedulerSide(self.service, self.served_model, block_size) \
+            if role == KVConnectorRole.SCHEDULER else None
+        self._worker = WorkerSide(self.service) if role == KVConnectorRole.WORKER else None
+        log.info("scd-store vLLM connector (%s) for %r: models %s", role.name.lower(), self.served_model,
+                 self.service.models())
+
+    def check_hashing(self, model: str) -> None:
+        """Record (producer) or compare (consumer) this process's chunk hashing for ``model``."""
+        with contextlib.suppress(HashMismatch):  # counted and logged by the service; the model's lookups miss
+            self.service.check_hashing(model, chain_canary(self.service.store.chunk_size))
+
+    # ------------------------------------------------------------ scheduler side
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        lora = getattr(request, "lora_request", None)
+        if lora is not None and lora.lora_name not in self._checked:
+            self._checked.add(lora.lora_name)
+            self.check_hashing(lora.lora_name)
+        return self._scheduler.matched_tokens(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.after_alloc(request, list(blocks.get_block_ids()[0]), num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build(scheduler_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self._scheduler is not None:
+            self._scheduler.finished(request)
+        return False, None
+
+    # ------------------------------------------------------------ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        layers = self._vllm_config.compilation_config.static_forward_context
+        self._worker.register(kv_caches, layers)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        plan = self._get_connector_metadata()
+        if self._worker is not None and isinstance(plan, StepPlan) and plan.loads:
+            self._worker.load(plan)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
+                      **kwargs: Any) -> None:
+        return  # chunks are gathered once every layer has been written (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        plan = self._get_connector_metadata() if self.has_connector_metadata() else None
+        if self._worker is not None and isinstance(plan, StepPlan) and plan.saves:
+            self._worker.save(plan)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.failed_blocks() if self._worker is not None else set()
+
+    def shutdown(self) -> None:
+        service, self.service = self.service, None
+        if service is not None:
+            release_service(service)

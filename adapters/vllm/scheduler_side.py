@@ -1,0 +1,161 @@
+"""The connector's scheduler half: hits for consumer requests, store plans for producer requests.
+
+A request's model is its LoRA adapter's name when it has one, else the server's served model name
+(both through the settings' aliases). Chunk hashes are scd-store's own stable chain over the
+prompt's token ids (:func:`scd_store.store.keys.chunk_hashes`), so every process agrees; a chunk's
+position is its index in the prompt. Requests whose tokens do not say what they hold (prompt
+embeddings, multimodal inputs) are neither stored nor served, counted as ``unkeyable_requests``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from scd_store.adapters.vllm.plan import ChunkLoad, ChunkSave, StepPlan, slots_of
+from scd_store.service import KVService
+from scd_store.service.log_once import LogOnce
+from scd_store.store.keys import chunk_hashes
+
+log = logging.getLogger("scd_store.adapters.vllm")
+
+
+@dataclass(slots=True)
+class _Producing:
+    """A producer request whose prompt chunks are being stored as they are computed."""
+
+    model: str
+    hashes: list[bytes]
+    block_ids: list[int]
+    next_chunk: int
+
+
+def request_model(request: Any, served_model: str) -> str:
+    """The model a request runs: its LoRA adapter's name, or the server's model."""
+    lora = getattr(request, "lora_request", None)
+    return lora.lora_name if lora is not None else served_model
+
+
+def keyable(request: Any) -> bool:
+    """Whether the request's token ids alone say what its KV holds."""
+    return getattr(request, "prompt_embeds", None) is None and not getattr(request, "mm_features", None)
+
+
+class SchedulerSide:
+    """Matched tokens, load plans and save plans, one step at a time."""
+
+    def __init__(self, service: KVService, served_model: str, block_size: int) -> None:
+        self.service = service
+        self.served_model = served_model
+        self.block_size = block_size
+        self.chunk_size = service.store.chunk_size
+        self._hits: dict[str, tuple[str, list[bytes]]] = {}
+        self._loads: list[ChunkLoad] = []
+        self._producing: dict[str, _Producing] = {}
+        self._counted: set[str] = set()
+        self._once = LogOnce(log)
+
+    def _role(self, model: str) -> str | None:
+        binding = self.service.binding(model)
+        return None if binding is None else binding.role
+
+    def _unkeyable(self, request: Any) -> bool:
+        if keyable(request):
+            return False
+        self.service.store.stats.inc("unkeyable_requests")
+        self._once.warn("unkeyable", "scd-store: requests with prompt embeddings or multimodal inputs are neither "
+                        "stored nor served (counted as unkeyable_requests; logged once)")
+        return True
+
+    # ------------------------------------------------------------ consumer hits
+    def matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+        """Tokens beyond ``num_computed_tokens`` a consumer request can load (0 for anyone else).
+
+        The last prompt token is always left to the engine (it needs its logits)."""
+        model = request_model(request, self.served_model)
+        if self._role(model) != "consumer" or self._unkeyable(request):
+            return 0
+        tokens = list(request.prompt_token_ids or ())
+        usable = (len(tokens) - 1) // self.chunk_size
+        if usable <= 0:
+            return 0
+        hashes = chunk_hashes(tokens[:usable * self.chunk_size], self.chunk_size)
+        first_ask = request.request_id not in self._counted
+        self._counted.add(request.request_id)
+        found = self.service.contains(model, hashes, tokens=usable * self.chunk_size if first_ask else None)
+        matched = found * self.chunk_size
+        if matched <= num_computed_tokens:
+            self._hits.pop(request.request_id, None)
+            return 0
+        self._hits[request.request_id] = (model, hashes[:found])
+        return matched - num_computed_tokens
+
+    def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+        """Plan the load of a hit the scheduler accepted (``num_external_tokens`` of it)."""
+        hit = self._hits.pop(request.request_id, None)
+        if num_external_tokens <= 0 or hit is None:
+            return
+        model, hashes = hit
+        end = len(hashes) * self.chunk_size
+        first = end - num_external_tokens
+        self._loads.append(ChunkLoad(request.request_id, model, hashes, self.chunk_size, first,
+                                     slots_of(block_ids, self.block_size, first, end), list(block_ids),
+                                     self.block_size))
+
+    # ------------------------------------------------------------ producer saves
+    def _start_producing(self, new_req: Any) -> None:
+        model = request_model(new_req, self.served_model)
+        if self._role(model) != "producer" or self._unkeyable(new_req):
+            return
+        tokens = list(new_req.prompt_token_ids or ())
+        if len(tokens) < self.chunk_size:
+            return
+        # chunks the engine's own prefix cache held were stored when they were computed
+        self._producing[new_req.req_id] = _Producing(model, chunk_hashes(tokens, self.chunk_size),
+                                                     list(new_req.block_ids[0]),
+                                                     new_req.num_computed_tokens // self.chunk_size)
+
+    def _save_ready(self, req_id: str, computed: int, saves: list[ChunkSave]) -> None:
+        producing = self._producing[req_id]
+        ready = min(computed // self.chunk_size, len(producing.hashes))
+        if ready <= producing.next_chunk:
+            return
+        chunks = range(producing.next_chunk, ready)
+        saves.append(ChunkSave(req_id, producing.model, [producing.hashes[i] for i in chunks],
+                               [i * self.chunk_size for i in chunks],
+                               [slots_of(producing.block_ids, self.block_size, i * self.chunk_size,
+                                         (i + 1) * self.chunk_size) for i in chunks]))
+        producing.next_chunk = ready
+        if ready == len(producing.hashes):
+            del self._producing[req_id]
+
+    def build(self, scheduler_output: Any) -> StepPlan:
+        """This step's plan: the loads planned since the last step, and producers' newly computed chunks."""
+        plan = StepPlan(loads=self._loads)
+        self._loads = []
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new_req in scheduler_output.scheduled_new_reqs:
+            self._start_producing(new_req)
+            if new_req.req_id in self._producing:
+                self._save_ready(new_req.req_id, new_req.num_computed_tokens + scheduled.get(new_req.req_id, 0),
+                                 plan.saves)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            producing = self._producing.get(req_id)
+            if producing is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if new_blocks is not None:
+                if req_id in cached.resumed_req_ids:
+                    producing.block_ids = list(new_blocks[0])
+                else:
+                    producing.block_ids.extend(new_blocks[0])
+            self._save_ready(req_id, cached.num_computed_tokens[i] + scheduled.get(req_id, 0), plan.saves)
+        return plan
+
+    def finished(self, request: Any) -> None:
+        """Forget a finished request."""
+        self._producing.pop(request.request_id, None)
+        self._hits.pop(request.request_id, None)
+        self._counted.discard(request.request_id)

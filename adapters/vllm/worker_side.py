@@ -1,0 +1,133 @@
+"""The connector's worker half: decode hits into the request's blocks, hand producers' chunks over.
+
+Loads run before the step's forward (``start_load_kv``): the consumer's codes are decoded
+(:meth:`KVService.get` into fresh ``[layers, kv_heads, chunk, head_dim]`` buffers) and written into
+its blocks with the attention backend's own cache op. Tokens of chunks that could not be decoded
+are reported as failed blocks, so vLLM recomputes them (the connector sets
+``kv_load_failure_policy: recompute``). Saves run after the forward (``wait_for_save``): the
+producer's new chunks are gathered out of the paged cache (a copy, so the blocks may be reused at
+once) and encoded and stored on scd-store's put worker, off the engine's thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+import torch
+
+from scd_store.adapters.vllm.paged_layout import BlockMap, LayoutError, probe, read_tokens, write_tokens
+from scd_store.adapters.vllm.plan import ChunkLoad, ChunkSave, StepPlan
+from scd_store.codecs.kv_state import KVState
+from scd_store.service import KVService
+from scd_store.service.log_once import LogOnce
+
+log = logging.getLogger("scd_store.adapters.vllm")
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+def layer_order(names: list[str]) -> list[str]:
+    """Attention layer names in model order (by the layer index in ``model.layers.<i>.``)."""
+    def index(name: str) -> int:
+        found = _LAYER_INDEX.search(name)
+        if found is None:
+            raise LayoutError(f"cannot tell the layer index of KV cache {name!r}")
+        return int(found.group(1))
+    return sorted(names, key=index)
+
+
+class WorkerSide:
+    """The engine's KV cache tensors and the loads and saves of each step."""
+
+    def __init__(self, service: KVService) -> None:
+        self.service = service
+        self.names: list[str] = []
+        self.caches: list[torch.Tensor] = []
+        self.layers: list[Any] = []
+        self._maps: list[BlockMap] | None = None
+        self._failed: set[int] = set()
+        self._once = LogOnce(log)
+
+    def register(self, kv_caches: dict[str, torch.Tensor], layers: dict[str, Any]) -> None:
+        """The engine's per-layer caches, and the attention layers that own them (their backend's op)."""
+        self.names = layer_order(list(kv_caches))
+        self.caches = [kv_caches[name] for name in self.names]
+        self.layers = [layers[name] for name in self.names]
+        for name, cache in zip(self.names, self.caches, strict=True):
+            if cache.dim() != 4:
+                raise LayoutError(f"KV cache {name!r} has shape {tuple(cache.shape)}: scd-store's vLLM connector "
+                                  "reads vLLM-CPU's [blocks, kv_heads, block_size, 2*head_dim] layout")
+
+    def maps(self) -> list[BlockMap]:
+        """Each layer's gather map (derived from the backend's op on first use)."""
+        if self._maps is None:
+            self._maps = [probe(layer, cache) for layer, cache in zip(self.layers, self.caches, strict=True)]
+        return self._maps
+
+    # ------------------------------------------------------------ loads
+    def load(self, plan: StepPlan) -> None:
+        for load in plan.loads:
+            try:
+                loaded = self._load_one(load)
+            except (LayoutError, ValueError) as exc:
+                self._once.warn(f"load:{load.model}", "scd-store: cannot load %r's codes into vLLM's cache "
+                                "(recomputed; logged once): %s", load.model, exc)
+                loaded = 0
+            end = len(load.hashes) * load.chunk_size
+            if loaded < end:
+                self._failed |= load.blocks_from(loaded)
+
+    def _load_one(self, load: ChunkLoad) -> int:
+        """Decode and write one request's hit; returns the tokens of the prompt now in its blocks."""
+        _, heads, _, width = self.caches[0].shape
+        shape = (len(self.caches), heads, load.chunk_size, width // 2)
+        dtype = self.caches[0].dtype
+        buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def into(i: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+            if tokens != load.chunk_size:
+                return None
+            buffers.append((torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)))
+            return buffers[-1]
+
+        states = self.service.get(load.model, load.hashes, into=into)
+        loaded = len(states) * load.chunk_size
+        if loaded <= load.first_token:
+            return loaded
+        keys = torch.cat([k for k, _ in buffers[:len(states)]], dim=2)[:, :, load.first_token:loaded]
+        values = torch.cat([v for _, v in buffers[:len(states)]], dim=2)[:, :, load.first_token:loaded]
+        slots = torch.tensor(load.slots[:loaded - load.first_token], dtype=torch.int64)
+        for layer, cache, k, v in zip(self.layers, self.caches, keys, values, strict=True):
+            write_tokens(layer, cache, k.transpose(0, 1), v.transpose(0, 1), slots)
+        return loaded
+
+    def failed_blocks(self) -> set[int]:
+        """Blocks whose load failed since the last call (vLLM recomputes them)."""
+        failed, self._failed = self._failed, set()
+        return failed
+
+    # ------------------------------------------------------------ saves
+    def save(self, plan: StepPlan) -> None:
+        for save in plan.saves:
+            try:
+                self._save_one(save)
+            except LayoutError as exc:
+                self._once.warn("save-layout", "scd-store: cannot read vLLM's cache; not storing (logged once): %s",
+                                exc)
+
+    def _save_one(self, save: ChunkSave) -> None:
+        maps = self.maps()
+        gathered: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        for start, slots in zip(save.starts, save.slots, strict=True):
+            index = torch.tensor(slots, dtype=torch.int64)
+            per_layer = [read_tokens(block_map, cache, index)
+                         for block_map, cache in zip(maps, self.caches, strict=True)]
+            keys = torch.stack([k.transpose(0, 1) for k, _ in per_layer])  # [layers, kv_heads, tokens, head_dim]
+            values = torch.stack([v.transpose(0, 1) for _, v in per_layer])
+            gathered.append((keys, values, start))
+
+        def states() -> list[KVState]:  # on scd-store's put worker
+            return [KVState(k.float(), v.float(), start=start) for k, v, start in gathered]
+
+        self.service.submit_put(save.model, save.hashes, states)
