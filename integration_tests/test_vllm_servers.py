@@ -9,19 +9,21 @@ log-probabilities) equals scd-store's own transformers decode path on the same c
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 pytest.importorskip("vllm", reason="the vLLM stack is installed by `make test`")
 
 from integration_tests.redis_servers import RedisServer  # noqa: E402
-from integration_tests.vllm_pairs import make_lora_adapter, quick_bundle  # noqa: E402
-from scd_store.adapters.transformers import continue_with_prefix, generate_greedy, prefill_capture  # noqa: E402
+from integration_tests.vllm_harness import (  # noqa: E402
+    hit_tokens,
+    joined,
+    reference,
+    settled_hits,
+    wait_until,
+)
+from scd_store.adapters.transformers import prefill_capture  # noqa: E402
 from scd_store.bench.vllm_server import ServerSpec, VllmServer, choice_tokens, scd_connector_config  # noqa: E402
 from scd_store.codecs.kv_state import KVState  # noqa: E402
 from scd_store.models import catalog  # noqa: E402
@@ -38,18 +40,16 @@ ADAPTER, STRANGER = "smol-lora-a", "smol-lora-unregistered"
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory, producer, shakespeare):
-    root = tmp_path_factory.mktemp("vllm")
-    lora = make_lora_adapter(producer, root / "lora-a", ADAPTER, seed=1)
-    make_lora_adapter(producer, root / "lora-b", STRANGER, seed=2)
-    bundle = quick_bundle(producer, [shakespeare, lora], root / "bundle", "vllm-test")
+def deployment(tmp_path_factory, vllm_material, shakespeare):
+    root, bundle, lora = tmp_path_factory.mktemp("vllm"), vllm_material["bundle"], vllm_material["lora"]
+    loras = vllm_material["lora_dirs"]
     with RedisServer(root / "redis") as redis:
         store_yaml = root / "store.yaml"
         store_yaml.write_text(json.dumps({"tiers": [{"kind": "cpu", "max_bytes": "64MiB"},
                                                     {"kind": "redis", "url": redis.url}]}))
         kv = scd_connector_config([bundle], store_yaml)
         base = ServerSpec(model_dir(catalog.PRODUCER), catalog.PRODUCER, kv, max_model_len=1024,
-                          lora_modules={ADAPTER: str(root / "lora-a"), STRANGER: str(root / "lora-b")})
+                          lora_modules={ADAPTER: str(loras[ADAPTER]), STRANGER: str(loras[STRANGER])})
         fine = ServerSpec(model_dir(shakespeare.name), shakespeare.name, kv, max_model_len=1024)
         servers = [VllmServer(base, root / "producer.log"), VllmServer(fine, root / "consumer.log")]
         try:
@@ -75,44 +75,9 @@ def stored(deployment, prompt):
     store = open_store(load_config(str(deployment["store_yaml"])))
     service = KVService(store, [deployment["bundle"]])
     hashes = chunk_hashes(prompt, CHUNK)
-    for _ in range(120):
-        if service.contains(catalog.PRODUCER, hashes) == CHUNKS:
-            break
-        time.sleep(0.5)
-    assert service.contains(catalog.PRODUCER, hashes) == CHUNKS
+    assert wait_until(lambda: service.contains(catalog.PRODUCER, hashes) == CHUNKS)
     yield service, hashes
     service.close()
-
-
-def hit_tokens(deployment) -> int:
-    """Hit tokens of every pair, as ``scd-store stats`` reports them from the deployment's Redis."""
-    out = subprocess.run([sys.executable, "-m", "scd_store.cli.main", "stats", "--redis", deployment["redis"].url,
-                          "--json"], capture_output=True, text=True, check=True)
-    return sum(row["hit_tokens"] for row in json.loads(out.stdout)["summary"]["pairs"])
-
-
-def settled_hits(deployment, before: int, expect: int, timeout: float = 10.0) -> int:
-    """Hit tokens added since ``before`` once the servers' counters have flushed (about 1 s)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if hit_tokens(deployment) - before >= expect:
-            break
-        time.sleep(0.5)
-    time.sleep(1.5)  # one more flush: nothing beyond ``expect`` may arrive late
-    return hit_tokens(deployment) - before
-
-
-def reference(model, state: KVState, tail: list[int]) -> tuple[list[int], list[float]]:
-    """scd-store's transformers path: greedy tokens after the decoded prefix, and their log-probabilities."""
-    tail_ids = torch.tensor(tail)
-    tokens = generate_greedy(model, state, tail_ids, NEW)
-    logits = continue_with_prefix(model, state, torch.cat([tail_ids, torch.tensor(tokens[:-1])]))
-    logprobs = F.log_softmax(logits[len(tail) - 1:].float(), -1)
-    return tokens, [float(logprobs[i, t]) for i, t in enumerate(tokens)]
-
-
-def joined(states: list[KVState]) -> KVState:
-    return KVState(torch.cat([s.keys for s in states], 2), torch.cat([s.values for s in states], 2), start=0)
 
 
 def test_the_producer_stores_the_engines_own_kv(stored, producer, shakespeare, prompt):
@@ -140,11 +105,11 @@ def test_consumers_load_the_codes_and_generate_as_scd_stores_own_decode(deployme
     service, hashes = stored
     server, model = ((deployment["consumer"], shakespeare) if who == "fine-tune"
                      else (deployment["producer"], deployment["lora"]))
-    before = hit_tokens(deployment)
+    before = hit_tokens(deployment["redis"].url)
     tokens, logprobs = choice_tokens(server.complete(model.name, prompt, NEW))
-    assert settled_hits(deployment, before, CHUNK * CHUNKS) == CHUNK * CHUNKS
+    assert settled_hits(deployment["redis"].url, before, CHUNK * CHUNKS) == CHUNK * CHUNKS
     want_tokens, want_logprobs = reference(model.model, joined(service.get(model.name, hashes)),
-                                           prompt[CHUNK * CHUNKS:])
+                                           prompt[CHUNK * CHUNKS:], NEW)
     assert tokens == want_tokens
     assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) < 2e-3
     _, own_logprobs = choice_tokens(server.complete(model.name, prompt, NEW, prompt_logprobs=0))  # no cache read
@@ -153,9 +118,9 @@ def test_consumers_load_the_codes_and_generate_as_scd_stores_own_decode(deployme
 
 def test_an_unregistered_adapter_misses_and_answers_as_its_own_prefill(deployment, stored, prompt):
     server = deployment["producer"]
-    before = hit_tokens(deployment)
+    before = hit_tokens(deployment["redis"].url)
     tokens, logprobs = choice_tokens(server.complete(STRANGER, prompt, NEW))
     own_tokens, own_logprobs = choice_tokens(server.complete(STRANGER, prompt, NEW, prompt_logprobs=0))
-    assert settled_hits(deployment, before, 0, timeout=0) == 0
+    assert settled_hits(deployment["redis"].url, before, 0, timeout=0) == 0
     assert tokens == own_tokens
     assert max(abs(a - b) for a, b in zip(logprobs, own_logprobs, strict=True)) < 1e-4

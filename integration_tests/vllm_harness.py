@@ -1,4 +1,5 @@
-"""Material for the vLLM server tests: a PEFT LoRA adapter of the producer, and a quick bundle.
+"""The vLLM server tests' material and checks: a PEFT LoRA adapter of the producer, a quick bundle,
+scd-store's own transformers decode path to compare the servers with, and the deployment's hit count.
 
 The adapter is a structural consumer (random low-rank updates of the attention projections, no
 training): vLLM serves it by name on the base model's server, and the bundle's pair for it is
@@ -9,13 +10,18 @@ from __future__ import annotations
 
 import copy
 import json
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from scd_store.adapters.transformers import LoadedModel
+from scd_store.adapters.transformers import LoadedModel, continue_with_prefix, generate_greedy
 from scd_store.adapters.transformers.calibration import CalibrationConfig, distil_decoder, fit_space
+from scd_store.codecs.kv_state import KVState
 from scd_store.codecs.scd.bundle import save_pair, save_space
 from scd_store.models import catalog
 from scd_store.models.fingerprint import tensors_fingerprint
@@ -57,3 +63,43 @@ def quick_bundle(producer: LoadedModel, consumers: list[LoadedModel], path: Path
         decoder, _ = distil_decoder(producer, consumer, space, "shakespeare", QUICK, progress=False)
         save_pair(path, decoder)
     return path
+
+
+def reference(model: torch.nn.Module, state: KVState, tail: list[int], new: int) -> tuple[list[int], list[float]]:
+    """scd-store's transformers path: greedy tokens after the decoded prefix, and their log-probabilities."""
+    tail_ids = torch.tensor(tail)
+    tokens = generate_greedy(model, state, tail_ids, new)
+    logits = continue_with_prefix(model, state, torch.cat([tail_ids, torch.tensor(tokens[:-1])]))
+    logprobs = F.log_softmax(logits[len(tail) - 1:].float(), -1)
+    return tokens, [float(logprobs[i, t]) for i, t in enumerate(tokens)]
+
+
+def joined(states: list[KVState]) -> KVState:
+    """One prefix state of consecutive chunk states."""
+    return KVState(torch.cat([s.keys for s in states], 2), torch.cat([s.values for s in states], 2), start=0)
+
+
+def hit_tokens(redis_url: str) -> int:
+    """Hit tokens of every pair, as ``scd-store stats`` reports them from the deployment's Redis."""
+    out = subprocess.run([sys.executable, "-m", "scd_store.cli.main", "stats", "--redis", redis_url, "--json"],
+                         capture_output=True, text=True, check=True)
+    return sum(row["hit_tokens"] for row in json.loads(out.stdout)["summary"]["pairs"])
+
+
+def settled_hits(redis_url: str, before: int, expect: int, timeout: float = 10.0) -> int:
+    """Hit tokens added since ``before`` once the servers' counters have flushed (every second)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and hit_tokens(redis_url) - before < expect:
+        time.sleep(0.5)
+    time.sleep(1.5)  # one more flush: nothing beyond ``expect`` may arrive late
+    return hit_tokens(redis_url) - before
+
+
+def wait_until(predicate, timeout: float = 60.0) -> bool:
+    """Poll ``predicate`` until it holds or ``timeout`` passes; its last answer."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+    return True
