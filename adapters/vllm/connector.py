@@ -57,13 +57,14 @@ def served_model_name(vllm_config: VllmConfig) -> str:
 class ScdConnector(KVConnectorBase_V1):
     """scd-store's codes as vLLM's external KV cache: the scheduler half plans, the worker half moves KV."""
 
+    skip_param = "scd_skip_load"  # kv_transfer_params key a request sets to compute its prompt itself
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        settings = EngineSettings.from_mapping(self._kv_transfer_config.kv_connector_extra_config or {})
         self.served_model = served_model_name(vllm_config)
         block_size = vllm_config.cache_config.block_size
-        self.service = acquire_service(settings)
+        self.service = self._open_service(dict(self._kv_transfer_config.kv_connector_extra_config or {}))
         try:
             chunk_size = self.service.store.chunk_size
             if chunk_size % block_size:
@@ -75,14 +76,21 @@ class ScdConnector(KVConnectorBase_V1):
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
             self.check_hashing(self.served_model)
         except BaseException:
-            release_service(self.service)
+            self._close_service(self.service)
             raise
         self._checked = {self.served_model}
-        self._scheduler = SchedulerSide(self.service, self.served_model, block_size) \
+        self._scheduler = SchedulerSide(self.service, self.served_model, block_size, self.skip_param) \
             if role == KVConnectorRole.SCHEDULER else None
         self._worker = WorkerSide(self.service) if role == KVConnectorRole.WORKER else None
         log.info("scd-store vLLM connector (%s) for %r: models %s", role.name.lower(), self.served_model,
                  self.service.models())
+
+    def _open_service(self, extra_config: dict[str, Any]) -> Any:
+        """The service the connector serves from: the process's shared :class:`KVService` for its settings."""
+        return acquire_service(EngineSettings.from_mapping(extra_config))
+
+    def _close_service(self, service: Any) -> None:
+        release_service(service)
 
     def check_hashing(self, model: str) -> None:
         """Record (producer) or compare (consumer) this process's chunk hashing for ``model``."""
@@ -90,6 +98,10 @@ class ScdConnector(KVConnectorBase_V1):
             self.service.check_hashing(model, chain_canary(self.service.store.chunk_size))
 
     # ------------------------------------------------------------ scheduler side
+    def on_new_request(self, request: Request) -> None:
+        if self._scheduler is not None:
+            self._scheduler.added(request)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         lora = getattr(request, "lora_request", None)
@@ -140,4 +152,4 @@ class ScdConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         service, self.service = self.service, None
         if service is not None:
-            release_service(service)
+            self._close_service(service)

@@ -4,7 +4,9 @@ A request's model is its LoRA adapter's name when it has one, else the server's 
 (both through the settings' aliases). Chunk hashes are scd-store's own stable chain over the
 prompt's token ids (:func:`scd_store.store.keys.chunk_hashes`), so every process agrees; a chunk's
 position is its index in the prompt. Requests whose tokens do not say what they hold (prompt
-embeddings, multimodal inputs) are neither stored nor served, counted as ``unkeyable_requests``.
+embeddings, multimodal inputs) or that ask for an isolated cache (a ``cache_salt``) are neither
+stored nor served, counted as ``unkeyable_requests``. A request whose ``kv_transfer_params`` set
+``skip_param`` (``scd_skip_load: true``) computes its prompt itself (it may still be stored).
 """
 
 from __future__ import annotations
@@ -38,15 +40,24 @@ def request_model(request: Any, served_model: str) -> str:
 
 
 def keyable(request: Any) -> bool:
-    """Whether the request's token ids alone say what its KV holds."""
-    return getattr(request, "prompt_embeds", None) is None and not getattr(request, "mm_features", None)
+    """Whether the request's token ids alone say what its KV holds, and whom it may be shared with."""
+    return (getattr(request, "prompt_embeds", None) is None and not getattr(request, "mm_features", None)
+            and not getattr(request, "cache_salt", None))
+
+
+def skips_load(request: Any, skip_param: str) -> bool:
+    """Whether the request asked (``kv_transfer_params``) to compute its prompt itself."""
+    params = getattr(request, "kv_transfer_params", None)
+    return isinstance(params, dict) and bool(params.get(skip_param))
 
 
 class SchedulerSide:
     """Matched tokens, load plans and save plans, one step at a time."""
 
-    def __init__(self, service: KVService, served_model: str, block_size: int) -> None:
+    def __init__(self, service: KVService, served_model: str, block_size: int,
+                 skip_param: str = "scd_skip_load") -> None:
         self.service = service
+        self.skip_param = skip_param
         self.served_model = served_model
         self.block_size = block_size
         self.chunk_size = service.store.chunk_size
@@ -54,7 +65,12 @@ class SchedulerSide:
         self._loads: list[ChunkLoad] = []
         self._producing: dict[str, _Producing] = {}
         self._counted: set[str] = set()
+        self._requests: dict[str, Any] = {}  # vLLM's Request objects (what a step's new-request data leaves out)
         self._once = LogOnce(log)
+
+    def added(self, request: Any) -> None:
+        """A request entered the scheduler."""
+        self._requests[request.request_id] = request
 
     def _role(self, model: str) -> str | None:
         binding = self.service.binding(model)
@@ -64,8 +80,8 @@ class SchedulerSide:
         if keyable(request):
             return False
         self.service.store.stats.inc("unkeyable_requests")
-        self._once.warn("unkeyable", "scd-store: requests with prompt embeddings or multimodal inputs are neither "
-                        "stored nor served (counted as unkeyable_requests; logged once)")
+        self._once.warn("unkeyable", "scd-store: requests with prompt embeddings, multimodal inputs or a cache_salt "
+                        "are neither stored nor served (counted as unkeyable_requests; logged once)")
         return True
 
     # ------------------------------------------------------------ consumer hits
@@ -74,7 +90,7 @@ class SchedulerSide:
 
         The last prompt token is always left to the engine (it needs its logits)."""
         model = request_model(request, self.served_model)
-        if self._role(model) != "consumer" or self._unkeyable(request):
+        if self._role(model) != "consumer" or skips_load(request, self.skip_param) or self._unkeyable(request):
             return 0
         tokens = list(request.prompt_token_ids or ())
         usable = (len(tokens) - 1) // self.chunk_size
@@ -106,7 +122,7 @@ class SchedulerSide:
     # ------------------------------------------------------------ producer saves
     def _start_producing(self, new_req: Any) -> None:
         model = request_model(new_req, self.served_model)
-        if self._role(model) != "producer" or self._unkeyable(new_req):
+        if self._role(model) != "producer" or self._unkeyable(self._requests.get(new_req.req_id, new_req)):
             return
         tokens = list(new_req.prompt_token_ids or ())
         if len(tokens) < self.chunk_size:
@@ -158,4 +174,5 @@ class SchedulerSide:
         """Forget a finished request."""
         self._producing.pop(request.request_id, None)
         self._hits.pop(request.request_id, None)
+        self._requests.pop(request.request_id, None)
         self._counted.discard(request.request_id)

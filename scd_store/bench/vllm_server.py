@@ -38,6 +38,19 @@ def scd_connector_config(bundles: list[str | Path], store_config: str | Path, **
             "kv_connector_extra_config": extra}
 
 
+def raw_reuse_config(raw_dir: str | Path, producer: str, chunk_size: int = 256) -> dict:
+    """``--kv-transfer-config`` for the raw-KV reuse baseline (:mod:`scd_store.bench.raw_reuse`)."""
+    return {"kv_connector": "RawReuseConnector", "kv_connector_module_path": "scd_store.bench.raw_reuse",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"raw_dir": str(raw_dir), "producer": producer, "chunk_size": chunk_size}}
+
+
+def multi_config(*configs: dict) -> dict:
+    """vLLM's MultiConnector over ``configs``: every connector stores; the first with a hit loads."""
+    return {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"connectors": list(configs)}}
+
+
 @dataclass(slots=True)
 class ServerSpec:
     """One server: the checkpoint, the name clients use, and how it caches."""
@@ -131,10 +144,12 @@ class VllmServer:
 
     # ------------------------------------------------------------ client
     def complete(self, model: str, prompt: list[int] | str, max_tokens: int = 16, *, logprobs: int | None = 1,
-                 prompt_logprobs: int | None = None, timeout: float = 600.0) -> dict:
-        """A greedy ``/v1/completions`` call; returns the response JSON."""
+                 prompt_logprobs: int | None = None, kv_params: dict | None = None, timeout: float = 600.0) -> dict:
+        """A greedy ``/v1/completions`` call (``kv_params``: its ``kv_transfer_params``); the response JSON."""
         body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                                 "return_token_ids": True}
+        if kv_params:
+            body["kv_transfer_params"] = kv_params
         if logprobs is not None:
             body["logprobs"] = logprobs
         if prompt_logprobs is not None:
@@ -144,10 +159,13 @@ class VllmServer:
         with urllib.request.urlopen(request, timeout=timeout) as r:
             return json.loads(r.read())
 
-    def first_token_seconds(self, model: str, prompt: list[int] | str, max_tokens: int = 16,
-                            timeout: float = 600.0) -> tuple[float, float, str]:
+    def first_token_seconds(self, model: str, prompt: list[int] | str, max_tokens: int = 16, *,
+                            kv_params: dict | None = None, timeout: float = 600.0) -> tuple[float, float, str]:
         """Stream a greedy completion: (seconds to the first streamed token, seconds to the end, text)."""
-        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
+        body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                                "stream": True}
+        if kv_params:
+            body["kv_transfer_params"] = kv_params
         request = urllib.request.Request(self.url + "/v1/completions", json.dumps(body).encode(),
                                          {"Content-Type": "application/json"})
         started = time.perf_counter()

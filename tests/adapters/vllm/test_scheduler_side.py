@@ -127,3 +127,15 @@ def test_requests_whose_tokens_do_not_identify_them_are_neither_stored_nor_serve
     assert producer.build(output([mm], scheduled={"m1": len(PROMPT)})).saves == []
     assert service.store.stats.value("unkeyable_requests") == 2
     assert sum("unkeyable" in r.message for r in caplog.records) == 1
+
+
+def test_a_request_can_opt_out_of_loading_and_a_cache_salt_isolates_it(service):
+    store_prompt(service)
+    side = SchedulerSide(service, "consumer-a", BLOCK)
+    assert side.matched_tokens(request("s1", kv_transfer_params={"scd_skip_load": True}), 0) == 0
+    assert side.matched_tokens(request("s2", kv_transfer_params={"raw_skip_load": True}), 0) == 3 * CHUNK
+    assert side.matched_tokens(request("s3", cache_salt="tenant-7"), 0) == 0  # isolated: never shared
+    producer = SchedulerSide(service, PRODUCER, BLOCK)
+    salted = request("p9", block_ids=(list(range(8)),), num_computed_tokens=0, cache_salt="tenant-7")
+    producer.added(salted)
+    assert producer.build(output([salted], scheduled={"p9": len(PROMPT)})).saves == []

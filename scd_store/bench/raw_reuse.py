@@ -1,0 +1,118 @@
+"""Raw-KV reuse through vLLM, the baseline scd-store's codes are measured against.
+
+:class:`RawReuseConnector` is scd-store's vLLM connector with its service swapped for
+:class:`RawKVDirectory`: the producer's chunks are kept as raw fp16 KV (no codes, no decoder) in
+a directory shared by the servers, and any consumer model loads the producer's KV as it is, the
+way a plain KV store would serve a fine-tune. Same chunking, same scheduling, same load path as
+the codes; only the payload differs. For ``make demo`` and ``scd-store bench serve``, not for
+serving: a fine-tune fed its base model's raw KV drifts (which is what the benchmarks show).
+Settings (``kv_connector_extra_config``): ``raw_dir``, ``producer`` (the model whose requests are
+stored), ``chunk_size`` (default 256). A request with ``kv_transfer_params: {"raw_skip_load": true}``
+does not load.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from scd_store.adapters.vllm.connector import ScdConnector
+from scd_store.codecs.baselines import RawCodec
+from scd_store.codecs.kv_state import KVState
+from scd_store.codecs.tensor_pack import PayloadError
+from scd_store.store.stats import StoreStats
+
+
+class RawKVDirectory:
+    """The part of :class:`~scd_store.service.KVService` the vLLM connector calls, over raw fp16 KV files."""
+
+    def __init__(self, directory: str | Path, producer: str, chunk_size: int = 256) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.producer = producer
+        self.store = SimpleNamespace(chunk_size=chunk_size, stats=StoreStats())
+        self.codec = RawCodec(torch.float16)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raw-kv")
+        self._lock = threading.Lock()
+        self.bytes_read = 0
+
+    def _path(self, chunk_hash: bytes) -> Path:
+        return self.directory / f"{chunk_hash.hex()}.kv"
+
+    def binding(self, model: str) -> SimpleNamespace:
+        return SimpleNamespace(role="producer" if model == self.producer else "consumer")
+
+    def models(self) -> dict[str, str]:
+        return {self.producer: "producer", "(any other model)": "consumer"}
+
+    def check_hashing(self, model: str, canary: Any) -> None:
+        return  # one process layout and scd-store's own chain: nothing to compare
+
+    def contains(self, model: str, hashes: Sequence[bytes], tokens: int | None = None) -> int:
+        count = 0
+        for chunk_hash in hashes:
+            if not self._path(chunk_hash).is_file():
+                break
+            count += 1
+        return count
+
+    def get(self, model: str, hashes: Sequence[bytes], *, into: Callable | None = None, **_: Any) -> list[KVState]:
+        states: list[KVState] = []
+        for i, chunk_hash in enumerate(hashes):
+            try:
+                payload = self._path(chunk_hash).read_bytes()
+                state = self.codec.decode(payload)
+            except (OSError, PayloadError):
+                break
+            with self._lock:
+                self.bytes_read += len(payload)
+            buffers = into(i, state.num_tokens) if into is not None else None
+            if into is not None and buffers is None:
+                break
+            if buffers is not None:
+                buffers[0].copy_(state.keys)
+                buffers[1].copy_(state.values)
+            states.append(state)
+        return states
+
+    def submit_put(self, model: str, hashes: Sequence[bytes], states: Callable[[], Sequence[KVState] | None],
+                   **_: Any) -> bool:
+        def write() -> None:
+            for chunk_hash, state in zip(hashes, states() or (), strict=False):
+                target = self._path(chunk_hash)
+                if target.exists():
+                    continue
+                tmp = target.with_suffix(f".{uuid.uuid4().hex}.tmp")
+                tmp.write_bytes(self.codec.encode(state))
+                os.replace(tmp, target)
+
+        self._pool.submit(write)
+        return True
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class RawReuseConnector(ScdConnector):
+    """The vLLM connector serving the producer's raw KV to every other model (the raw-reuse baseline)."""
+
+    skip_param = "raw_skip_load"
+
+    def _open_service(self, extra_config: dict[str, Any]) -> RawKVDirectory:
+        unknown = sorted(set(extra_config) - {"raw_dir", "producer", "chunk_size"})
+        if unknown or "raw_dir" not in extra_config or "producer" not in extra_config:
+            raise ValueError(f"RawReuseConnector needs raw_dir and producer (and optionally chunk_size); got "
+                             f"{sorted(extra_config)}")
+        return RawKVDirectory(extra_config["raw_dir"], extra_config["producer"],
+                              int(extra_config.get("chunk_size", 256)))
+
+    def _close_service(self, service: Any) -> None:
+        service.close()
