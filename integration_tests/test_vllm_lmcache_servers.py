@@ -1,5 +1,5 @@
 """The LMCache route under real vLLM-CPU servers: LMCache's own vLLM connector with scd-store's CPU
-GPU connector (``scd_store.adapters.lmcache.vllm_cpu``) and the scd-store LMCache plugin, a producer
+GPU connector (``scd_store.adapters.vllm.lmcache_cpu``) and the scd-store LMCache plugin, a producer
 server and a consumer server over one Redis."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from scd_store.store.config import load_config  # noqa: E402
 
 pytestmark = pytest.mark.slow
 CHUNK, CHUNKS, TAIL, NEW = 256, 2, 40, 8
-LMCACHE_KV = {"kv_connector": "LMCacheCpuConnector", "kv_connector_module_path": "scd_store.adapters.lmcache.vllm_cpu",
+LMCACHE_KV = {"kv_connector": "LMCacheCpuConnector", "kv_connector_module_path": "scd_store.adapters.vllm.lmcache_cpu",
               "kv_role": "kv_both"}
 
 

@@ -11,7 +11,7 @@ written with the attention backend's own op and read through the map derived fro
 
     LMCACHE_CONFIG_FILE=lmcache.yaml python -m vllm.entrypoints.openai.api_server --model DIR
         --kv-transfer-config '{"kv_connector": "LMCacheCpuConnector",
-            "kv_connector_module_path": "scd_store.adapters.lmcache.vllm_cpu", "kv_role": "kv_both"}'
+            "kv_connector_module_path": "scd_store.adapters.vllm.lmcache_cpu", "kv_role": "kv_both"}'
 """
 
 from __future__ import annotations
