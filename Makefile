@@ -51,7 +51,7 @@ system-deps:
 models: $(STAMP)
 	$(SCD) models prepare
 
-demo: $(STAMP) models
+demo: $(STAMP) $(VLLM_STAMP) models
 	$(SCD) demo
 
 # pytest's exit code 5 (no tests collected) is not a failure of the set-up.

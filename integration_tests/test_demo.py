@@ -1,5 +1,7 @@
 """The demo end to end on the real models, with a tiny calibrated bundle for both consumers."""
 
+import re
+
 import pytest
 
 from scd_store.adapters.transformers.calibration import CalibrationConfig, distil_decoder, fit_space
@@ -10,20 +12,44 @@ from scd_store.models import catalog
 pytestmark = pytest.mark.slow
 
 
-def test_demo_serves_both_consumers_from_codes(producer, shakespeare, tmp_path, monkeypatch, capsys):
+@pytest.fixture(scope="module")
+def tiny_bundle(producer, shakespeare, tmp_path_factory):
     from scd_store.adapters.transformers import load_model
 
     python = load_model("smollm2-135m-python")
     config = CalibrationConfig(budget=0.25, basis_windows=2, prefix_tokens=64, continuation_tokens=8,
                                distill_windows=2, distill_steps=2)
-    bundle = tmp_path / "bundle"
+    bundle = tmp_path_factory.mktemp("demo") / "bundle"
     space = fit_space(producer, ["shakespeare", "python"], config, "demo-test", progress=False)
     save_space(bundle, space, extra={"producer": catalog.PRODUCER})
     for consumer, corpus in ((shakespeare, "shakespeare"), (python, "python")):
         decoder, _ = distil_decoder(producer, consumer, space, corpus, config, progress=False)
         save_pair(bundle, decoder)
+    return bundle
+
+
+def test_demo_on_real_vllm_servers(tiny_bundle, tmp_path, monkeypatch, capsys):
+    pytest.importorskip("vllm", reason="the vLLM stack is installed by `make test`")
     monkeypatch.setenv("COLUMNS", "240")
-    assert main(DemoConfig(bundle=str(bundle), new_tokens=4, store_dir=str(tmp_path / "store"))) == 0
+    assert main(DemoConfig(bundle=str(tiny_bundle), new_tokens=4, store_dir=str(tmp_path / "demo"),
+                           engine="vllm")) == 0
+    out = capsys.readouterr().out
+    assert "prefilled the shared prefix once" in out and "3 chunks of 256 stored as codes" in out
+    for name in catalog.CONSUMERS:
+        assert f"{name}: 787-token shared prefix, TTFT at the client" in out
+        assert f"  {name}: scd codes " in out  # the closing agreement line, codes beside raw KV reuse
+    assert out.count("scd codes:") == 6 and out.count("raw KV reuse:") == 6 and out.count("own prefill:") == 6
+    moved = [float(codes) for codes in re.findall(r"([0-9.]+) / 16\.88 MiB", out)]  # codes / the chunks' fp16 KV
+    assert len(moved) == 6 and all(0 < codes < 16.88 * 0.3 for codes in moved)
+    pairs = out.split("scd-store hits per pair")[1].split("per engine process")[0]
+    assert pairs.count("100.0%") == 2 and pairs.count("2,304") == 4  # 3 requests x 768 tokens, all hit
+
+
+def test_demo_serves_both_consumers_from_codes(tiny_bundle, tmp_path, monkeypatch, capsys):
+    bundle = tiny_bundle
+    monkeypatch.setenv("COLUMNS", "240")
+    assert main(DemoConfig(bundle=str(bundle), new_tokens=4, store_dir=str(tmp_path / "store"),
+                           engine="transformers")) == 0
     out = capsys.readouterr().out
     for name in catalog.CONSUMERS:
         assert f"{name}:" in out and "tokens from codes" in out

@@ -159,28 +159,40 @@ class VllmServer:
         with urllib.request.urlopen(request, timeout=timeout) as r:
             return json.loads(r.read())
 
-    def first_token_seconds(self, model: str, prompt: list[int] | str, max_tokens: int = 16, *,
-                            kv_params: dict | None = None, timeout: float = 600.0) -> tuple[float, float, str]:
-        """Stream a greedy completion: (seconds to the first streamed token, seconds to the end, text)."""
+    def stream(self, model: str, prompt: list[int] | str, max_tokens: int = 16, *, kv_params: dict | None = None,
+               timeout: float = 600.0) -> Streamed:
+        """A streamed greedy completion, timed at this client (first token, and the whole answer)."""
         body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                                "stream": True}
+                                "stream": True, "return_token_ids": True}
         if kv_params:
             body["kv_transfer_params"] = kv_params
         request = urllib.request.Request(self.url + "/v1/completions", json.dumps(body).encode(),
                                          {"Content-Type": "application/json"})
         started = time.perf_counter()
-        first, text = None, []
+        first, text, tokens = None, [], []
         with urllib.request.urlopen(request, timeout=timeout) as r:
             for raw in r:
                 line = raw.decode().strip()
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                piece = json.loads(line[6:])["choices"][0].get("text", "")
-                if first is None and piece:
+                choice = json.loads(line[6:])["choices"][0]
+                delta = list(choice.get("token_ids") or ())
+                if first is None and (delta or choice.get("text")):
                     first = time.perf_counter() - started
-                text.append(piece)
+                text.append(choice.get("text", ""))
+                tokens += delta
         total = time.perf_counter() - started
-        return (first if first is not None else total), total, "".join(text)
+        return Streamed(first if first is not None else total, total, "".join(text), tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Streamed:
+    """One streamed completion as the client saw it."""
+
+    ttft_s: float
+    total_s: float
+    text: str
+    token_ids: list[int]
 
 
 def choice_tokens(response: dict) -> tuple[list[int], list[float]]:

@@ -162,7 +162,8 @@ def _bench_engine_put(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from scd_store.cli.demo.run import DemoConfig, main
 
-    return main(DemoConfig(redis_url=args.redis, bundle=args.bundle, new_tokens=args.new_tokens, device=args.device))
+    return main(DemoConfig(redis_url=args.redis, bundle=args.bundle, new_tokens=args.new_tokens, device=args.device,
+                           engine=args.engine))
 
 
 def _add_store_commands(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:
@@ -280,6 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--redis", help="add a Redis tier (and keep the registry there), e.g. redis://127.0.0.1:6379")
     demo.add_argument("--bundle", help="serve this calibration bundle (default: a quick one, calibrated once)")
     demo.add_argument("--new-tokens", type=int, default=24, help="greedy tokens generated per request")
+    demo.add_argument("--engine", choices=("auto", "vllm", "transformers"), default="auto",
+                      help="vllm: real vLLM servers in their own processes; transformers: this process "
+                           "(auto: vllm when installed)")
     demo.set_defaults(func=_demo)
     return parser
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from scd_store.store.config import StoreConfig, TierConfig, load_config
 from scd_store.store.registry import FileRegistry, RedisRegistry, Registry
 from scd_store.store.stats import StoreStats
-from scd_store.store.stats_sinks import RedisStatsMirror, SnapshotFiles, StatsSink
+from scd_store.store.stats_sinks import NoSink, RedisStatsMirror, SnapshotFiles, StatsSink
 from scd_store.store.tiered import TieredStore
 from scd_store.store.tiers.base import Tier
 
@@ -72,8 +72,9 @@ def stats_sink_for(config: StoreConfig) -> StatsSink:
 
 
 def open_store(config: StoreConfig | None = None, *, registry: Registry | None = None,
-               stats: StoreStats | None = None) -> TieredStore:
-    """The store described by ``config`` (default: :func:`load_config`, i.e. CPU + local disk)."""
+               stats: StoreStats | None = None, share_stats: bool = True) -> TieredStore:
+    """The store described by ``config`` (default: :func:`load_config`, i.e. CPU + local disk); with
+    ``share_stats=False`` this process's counters stay out of the deployment's (a reading tool)."""
     config = config if config is not None else load_config()
     built = [(cfg, build_tier(cfg)) for cfg in config.tiers]
     pairs = [(cfg, tier) for cfg, tier in built if tier is not None]
@@ -84,7 +85,7 @@ def open_store(config: StoreConfig | None = None, *, registry: Registry | None =
         except OSError as exc:  # e.g. a second engine process on this host with the same config
             log.warning("scd-store: cannot serve metrics on port %d (%s): this process serves none; give each "
                         "process on a host its own metrics_port (SCD_STORE_METRICS_PORT)", config.metrics_port, exc)
-    sink = stats_sink_for(config)
+    sink = stats_sink_for(config) if share_stats else NoSink()
     return TieredStore([t for _, t in pairs], registry if registry is not None else open_registry_for(config),
                        chunk_size=config.chunk_size, stats=stats, op_timeout_s=config.op_timeout_s,
                        put_timeout_s=config.put_timeout_s, queue_size=[c.queue_size for c, _ in pairs],

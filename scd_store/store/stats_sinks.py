@@ -62,6 +62,13 @@ class StatsSink(ABC):
         return None
 
 
+class NoSink(StatsSink):
+    """Keeps a process's counters to itself (a tool reading a deployment's store, not serving from it)."""
+
+    def flush(self, stats: StoreStats) -> None:
+        return None
+
+
 class RedisStatsMirror(StatsSink):
     """Adds a :class:`StoreStats`' deltas to the deployment-wide and the per-process Redis hashes."""
 

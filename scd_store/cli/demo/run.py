@@ -1,9 +1,11 @@
 """The demo: the base model prefills a shared prefix once; two fine-tunes answer requests from its codes.
 
-For each request, side by side with the consumer's own prefill: time to first token, the generated
-text and its agreement with the oracle's greedy text, and bytes fetched against raw KV bytes. The
-store's hit statistics close the run. Everything runs on the embedded store (CPU + disk under the
-data dir) unless ``--redis URL`` adds a Redis tier (and keeps the registry there).
+With vLLM installed (``make demo`` installs it) the models run as real vLLM servers in their own
+processes (:mod:`scd_store.cli.demo.servers`). ``--engine transformers`` runs them in this process
+instead: for each request, side by side with the consumer's own prefill, time to first token, the
+generated text and its agreement with the oracle's greedy text, and bytes fetched against raw KV
+bytes. The store's hit statistics close the run. Everything runs on the embedded store (CPU + disk
+under the data dir) unless ``--redis URL`` adds a Redis tier (and keeps the registry there).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from scd_store.store.config import StoreConfig, TierConfig
 from scd_store.store.keys import chunk_hashes
 
 DEMO_CHUNK = 256
+ENGINES = ("auto", "vllm", "transformers")
 # ~3 min for both consumers on 2 AMX cores, ~7 on 2 AVX2 ones (32 scored tokens a step: the quick bundle)
 QUICK_CALIBRATION = {"steps": 100, "windows": 24, "base_config": CalibrationConfig(continuation_tokens=32)}
 
@@ -54,10 +57,20 @@ class DemoConfig:
     new_tokens: int = 24
     device: str = "cpu"
     store_dir: str | None = None  # the embedded store's directory (default: <data dir>/demo-store)
+    engine: str = "auto"  # "vllm" (real servers), "transformers" (this process), "auto": vllm when installed
 
     def __post_init__(self) -> None:
         if self.new_tokens <= 0:
             raise ValueError("new_tokens must be positive")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+
+    def resolved_engine(self) -> str:
+        if self.engine != "auto":
+            return self.engine
+        import importlib.util
+
+        return "vllm" if importlib.util.find_spec("vllm") is not None else "transformers"
 
 
 def _load(name: str, device: str) -> LoadedModel:
@@ -162,6 +175,12 @@ def run_demo(config: DemoConfig) -> int:
     producer = _load(catalog.PRODUCER, config.device)
     consumers = [_load(name, config.device) for name in catalog.CONSUMERS]
     bundle = demo_bundle(config, producer, consumers, console)
+    if config.resolved_engine() == "vllm":
+        from scd_store.cli.demo.servers import run_server_demo
+
+        return run_server_demo(producer, consumers, bundle, config.new_tokens, config.redis_url, console,
+                               Path(config.store_dir) if config.store_dir else None)
+    console.print("[bold]Engine: transformers in this process[/bold] (--engine vllm runs real vLLM servers)")
     try:
         store = open_store(demo_store_config(config))
     except Exception as exc:
