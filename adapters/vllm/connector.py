@@ -54,6 +54,17 @@ def served_model_name(vllm_config: VllmConfig) -> str:
     return name[0] if isinstance(name, (list, tuple)) else str(name)
 
 
+def check_engine(vllm_config: VllmConfig) -> None:
+    """Refuse engines whose KV the connector cannot read and write exactly (a clear error at start)."""
+    device = vllm_config.device_config.device_type
+    if device != "cpu":
+        raise SettingsError(f"scd-store's vLLM connector reads vLLM-CPU's paged KV layout; this server runs on "
+                            f"{device!r}, whose layout it does not support yet")
+    if vllm_config.parallel_config.tensor_parallel_size > 1 or vllm_config.parallel_config.pipeline_parallel_size > 1:
+        raise SettingsError("scd-store's vLLM connector needs tensor and pipeline parallel size 1: a code space "
+                            "covers all KV heads and layers of the model")
+
+
 class ScdConnector(KVConnectorBase_V1):
     """scd-store's codes as vLLM's external KV cache: the scheduler half plans, the worker half moves KV."""
 
@@ -62,6 +73,7 @@ class ScdConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        check_engine(vllm_config)
         self.served_model = served_model_name(vllm_config)
         block_size = vllm_config.cache_config.block_size
         self.service = self._open_service(dict(self._kv_transfer_config.kv_connector_extra_config or {}))

@@ -139,3 +139,4 @@ def test_a_request_can_opt_out_of_loading_and_a_cache_salt_isolates_it(service):
     salted = request("p9", block_ids=(list(range(8)),), num_computed_tokens=0, cache_salt="tenant-7")
     producer.added(salted)
     assert producer.build(output([salted], scheduled={"p9": len(PROMPT)})).saves == []
+
