@@ -30,3 +30,22 @@ def vllm_material(tmp_path_factory, producer, shakespeare) -> dict:
     bundle = quick_bundle(producer, [shakespeare, lora], root / "bundle", "vllm-test")
     return {"root": root, "bundle": bundle, "lora": lora, "lora_dirs": {"smol-lora-a": root / "lora-a",
                                                                           "smol-lora-unregistered": root / "lora-b"}}
+
+
+@pytest.fixture(scope="session")
+def tiny_bundle(producer, shakespeare, tmp_path_factory):
+    """A tiny bundle (a few distillation steps) for both catalog consumers: structure, not quality."""
+    from scd_store.adapters.transformers import load_model
+    from scd_store.adapters.transformers.calibration import CalibrationConfig, distil_decoder, fit_space
+    from scd_store.codecs.scd.bundle import save_pair, save_space
+
+    python = load_model("smollm2-135m-python")
+    config = CalibrationConfig(budget=0.25, basis_windows=2, prefix_tokens=64, continuation_tokens=8,
+                               distill_windows=2, distill_steps=2)
+    bundle = tmp_path_factory.mktemp("demo") / "bundle"
+    space = fit_space(producer, ["shakespeare", "python"], config, "demo-test", progress=False)
+    save_space(bundle, space, extra={"producer": catalog.PRODUCER})
+    for consumer, corpus in ((shakespeare, "shakespeare"), (python, "python")):
+        decoder, _ = distil_decoder(producer, consumer, space, corpus, config, progress=False)
+        save_pair(bundle, decoder)
+    return bundle

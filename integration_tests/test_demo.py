@@ -4,28 +4,10 @@ import re
 
 import pytest
 
-from scd_store.adapters.transformers.calibration import CalibrationConfig, distil_decoder, fit_space
 from scd_store.cli.demo.run import DemoConfig, main
-from scd_store.codecs.scd.bundle import save_pair, save_space
 from scd_store.models import catalog
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def tiny_bundle(producer, shakespeare, tmp_path_factory):
-    from scd_store.adapters.transformers import load_model
-
-    python = load_model("smollm2-135m-python")
-    config = CalibrationConfig(budget=0.25, basis_windows=2, prefix_tokens=64, continuation_tokens=8,
-                               distill_windows=2, distill_steps=2)
-    bundle = tmp_path_factory.mktemp("demo") / "bundle"
-    space = fit_space(producer, ["shakespeare", "python"], config, "demo-test", progress=False)
-    save_space(bundle, space, extra={"producer": catalog.PRODUCER})
-    for consumer, corpus in ((shakespeare, "shakespeare"), (python, "python")):
-        decoder, _ = distil_decoder(producer, consumer, space, corpus, config, progress=False)
-        save_pair(bundle, decoder)
-    return bundle
 
 
 def test_demo_on_real_vllm_servers(tiny_bundle, tmp_path, monkeypatch, capsys):

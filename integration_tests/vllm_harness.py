@@ -16,10 +16,9 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from scd_store.adapters.transformers import LoadedModel, continue_with_prefix, generate_greedy
+from scd_store.adapters.transformers import LoadedModel, greedy_logprobs
 from scd_store.adapters.transformers.calibration import CalibrationConfig, distil_decoder, fit_space
 from scd_store.codecs.kv_state import KVState
 from scd_store.codecs.scd.bundle import save_pair, save_space
@@ -67,11 +66,7 @@ def quick_bundle(producer: LoadedModel, consumers: list[LoadedModel], path: Path
 
 def reference(model: torch.nn.Module, state: KVState, tail: list[int], new: int) -> tuple[list[int], list[float]]:
     """scd-store's transformers path: greedy tokens after the decoded prefix, and their log-probabilities."""
-    tail_ids = torch.tensor(tail)
-    tokens = generate_greedy(model, state, tail_ids, new)
-    logits = continue_with_prefix(model, state, torch.cat([tail_ids, torch.tensor(tokens[:-1])]))
-    logprobs = F.log_softmax(logits[len(tail) - 1:].float(), -1)
-    return tokens, [float(logprobs[i, t]) for i, t in enumerate(tokens)]
+    return greedy_logprobs(model, state, torch.tensor(tail), new)
 
 
 def joined(states: list[KVState]) -> KVState:

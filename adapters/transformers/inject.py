@@ -90,6 +90,20 @@ def generate_greedy(model: torch.nn.Module, state: KVState | None, input_ids: to
     return generated
 
 
+@torch.no_grad()
+def greedy_logprobs(model: torch.nn.Module, state: KVState | None, input_ids: torch.Tensor,
+                    max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens after the prefix in ``state`` and the tail ``input_ids``, and each one's log-probability
+    (what an engine reports as a generated token's ``logprob``)."""
+    tokens = generate_greedy(model, state, input_ids, max_new_tokens)
+    if not tokens:
+        return [], []
+    ids = torch.cat([input_ids, torch.tensor(tokens[:-1], dtype=input_ids.dtype)])
+    logits = continue_with_prefix(model, state, ids)[len(input_ids) - 1:]
+    logprobs = F.log_softmax(logits.float(), -1)
+    return tokens, [float(logprobs[i, t]) for i, t in enumerate(tokens)]
+
+
 def mean_kl(logits: torch.Tensor, oracle: torch.Tensor) -> float:
     """Mean over positions of KL(oracle || logits), in nats (both ``[T, V]``)."""
     return float(F.kl_div(F.log_softmax(logits.float(), -1), F.log_softmax(oracle.float(), -1), log_target=True,

@@ -140,13 +140,19 @@ def _prefix_ids(consumer, config: TtftConfig, length: int) -> torch.Tensor:
                              generator=torch.Generator().manual_seed(config.seed))
 
 
+MODELLED = ("a what-if: decode, suffix prefill and store get are measured in this process; the fetch over each "
+            "link is modelled from the payload size (bytes / bandwidth). Measured client-side TTFT against real "
+            "vLLM servers: scd-store bench serve")
+
+
 @torch.no_grad()
 def run_ttft(config: TtftConfig, progress: bool = True) -> dict[str, Any]:
     """Per prefix length and method: measured parts, modelled fetch, TTFT and speed-up per link."""
     producer, consumer = load_model(catalog.PRODUCER), load_model(config.consumer)
     codecs = _codecs(config, producer, consumer)
     overhead, transport = transfer_overhead_s()
-    report: dict[str, Any] = {"consumer": config.consumer, "suffix_tokens": config.suffix_tokens,
+    report: dict[str, Any] = {"kind": "modelled", "what": MODELLED,
+                              "consumer": config.consumer, "suffix_tokens": config.suffix_tokens,
                               "links_gbit": list(config.links_gbit), "transfer": transport,
                               "transfer_overhead_ms": round(overhead * 1e3, 3), "threads": torch.get_num_threads(),
                               "repeats": config.repeats, "prefixes": []}

@@ -123,6 +123,35 @@ def _bench_transfer(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_serve(args: argparse.Namespace) -> int:
+    import json
+
+    from scd_store.bench.serve import ServeConfig, run_serve
+
+    bundle = args.bundle
+    if not bundle:
+        from rich.console import Console
+
+        from scd_store.adapters.transformers import load_model
+        from scd_store.cli.demo.run import DemoConfig, demo_bundle
+        from scd_store.models import catalog
+
+        producer = load_model(catalog.PRODUCER)
+        consumers = [load_model(name) for name in catalog.CONSUMERS]
+        bundle = str(demo_bundle(DemoConfig(), producer, consumers, Console(stderr=True)))
+    try:
+        config = ServeConfig(bundle, args.consumer, tuple(args.prefix_tokens), tuple(args.concurrency), args.waves,
+                             args.suffix_tokens, args.new_tokens, args.root, agreement_windows=args.agreement_windows)
+    except ValueError as exc:
+        print(f"bench serve: {exc}", file=sys.stderr)
+        return 2
+    report = json.dumps(run_serve(config), indent=1)
+    if args.json:
+        args.json.write_text(report + "\n")
+    print(report)
+    return 0
+
+
 def _bench_ttft(args: argparse.Namespace) -> int:
     import json
 
@@ -231,7 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     transfer.add_argument("--json", type=Path)
     transfer.set_defaults(func=_bench_transfer)
 
-    ttft = bench.add_parser("ttft", help="disaggregated time to first token vs the consumer's own prefill")
+    ttft = bench.add_parser("ttft", help="modelled what-if: disaggregated TTFT vs own prefill over modelled links "
+                            "(measured against real servers: bench serve)")
     ttft.add_argument("--consumer", default="smollm2-135m-shakespeare")
     ttft.add_argument("--bundle", help="calibration bundle for the scd method")
     ttft.add_argument("--prefix-tokens", type=int, nargs="+", default=[512, 1024, 2048])
@@ -241,6 +271,21 @@ def build_parser() -> argparse.ArgumentParser:
     ttft.add_argument("--droidspeak-group", default="18-24", help="layers [start-stop) droidspeak recomputes")
     ttft.add_argument("--json", type=Path, help="write the report here (and a PNG plot next to it)")
     ttft.set_defaults(func=_bench_ttft)
+
+    serve = bench.add_parser("serve", help="measured: client-side TTFT and throughput against real vLLM servers, "
+                             "codes vs own prefill vs raw KV reuse")
+    serve.add_argument("--bundle", help="calibration bundle (default: the demo's quick one, calibrated once)")
+    serve.add_argument("--consumer", default="smollm2-135m-shakespeare")
+    serve.add_argument("--prefix-tokens", type=int, nargs="+", default=[512, 1024, 2048])
+    serve.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    serve.add_argument("--waves", type=int, default=2, help="waves of concurrent requests per route and setting")
+    serve.add_argument("--suffix-tokens", type=int, default=32, help="distinct tokens after the shared prefix")
+    serve.add_argument("--new-tokens", type=int, default=16)
+    serve.add_argument("--root", help="the servers' store, logs and stats (default: a temporary directory)")
+    serve.add_argument("--agreement-windows", type=int, default=10,
+                       help="held-out windows per consumer: greedy answers by each route against its own (0: skip)")
+    serve.add_argument("--json", type=Path)
+    serve.set_defaults(func=_bench_serve)
 
     engine_put = bench.add_parser("engine-put", help="what a producer engine's thread waits for per stored prompt "
                                   "(a real LMCacheEngine with the plugin)")

@@ -1,0 +1,77 @@
+"""What a consumer server answers from codes, against its own answer and against raw-KV reuse, and
+against scd-store's own transformers decode path on the same codes (engine fidelity).
+
+For each held-out window of the consumer's corpus: the producer server stores the window's prefix;
+the consumer server answers prefix + tail greedily by each route (own prefill, codes, raw KV); and
+this process decodes the same stored codes and continues them with the consumer in transformers.
+All in one run; every figure is measured.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import torch
+
+from scd_store.adapters.transformers import LoadedModel, greedy_logprobs
+from scd_store.bench.serving import CHUNK, ROUTES, Deployment
+from scd_store.bench.vllm_server import choice_tokens
+from scd_store.codecs.kv_state import KVState
+from scd_store.models import catalog
+from scd_store.models.windows import eval_windows
+from scd_store.store.keys import chunk_hashes
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def _joined(states: list[KVState]) -> KVState:
+    return KVState(torch.cat([s.keys for s in states], 2), torch.cat([s.values for s in states], 2), start=0)
+
+
+def consumer_agreement(deployment: Deployment, consumer: LoadedModel, windows: int, prefix_tokens: int,
+                       tail_tokens: int, new_tokens: int, seed: int = 7) -> dict[str, Any]:
+    """Greedy agreement per route with the consumer's own answer, and fidelity to the transformers path."""
+    base, server = deployment.servers[deployment.producer], deployment.servers[consumer.name]
+    corpus = catalog.consumer(consumer.name).corpus if consumer.name in catalog.CONSUMERS else "shakespeare"
+    answers: dict[str, list[list[int]]] = {route: [] for route in ROUTES}
+    fidelity = {"tokens": 0, "equal": 0, "logprob_diffs": []}
+    service = deployment.store_service()
+    try:
+        for window in eval_windows(consumer.tokenizer, corpus, windows, prefix_tokens + tail_tokens, seed=seed):
+            prompt = [int(t) for t in window]
+            base.complete(deployment.producer, prompt[:prefix_tokens], 1)
+            covered = deployment.wait_stored(prompt[:prefix_tokens])
+            got = {route: server.complete(consumer.name, prompt, new_tokens, kv_params=params)
+                   for route, params in ROUTES.items()}
+            for route, response in got.items():
+                answers[route].append(choice_tokens(response)[0])
+            states = service.get(consumer.name, chunk_hashes(prompt[:covered], CHUNK))
+            want, want_lp = greedy_logprobs(consumer.model, _joined(states), torch.tensor(prompt[covered:]),
+                                            new_tokens)
+            tokens, logprobs = choice_tokens(got["scd"])
+            same = common_prefix(tokens, want)
+            fidelity["tokens"] += len(want)
+            fidelity["equal"] += same
+            fidelity["logprob_diffs"] += [abs(a - b) for a, b in zip(logprobs[:same], want_lp[:same], strict=True)]
+    finally:
+        service.close()
+    own = answers["own"]
+    routes = {}
+    for route in ("scd", "raw"):
+        pairs = list(zip(answers[route], own, strict=True))
+        routes[route] = {
+            "exact_answers": sum(a == b for a, b in pairs), "answers": len(pairs),
+            "agreed_prefix_tokens_mean": round(statistics.mean(common_prefix(a, b) for a, b in pairs), 2),
+            "position_match": round(sum(x == y for a, b in pairs for x, y in zip(a, b, strict=False))
+                                    / max(1, sum(len(b) for _, b in pairs)), 3)}
+    diffs = fidelity["logprob_diffs"]
+    return {"consumer": consumer.name, "windows": windows, "prefix_tokens": prefix_tokens, "tail_tokens": tail_tokens,
+            "new_tokens": new_tokens, "against_own_answer": routes,
+            "engine_fidelity": {"what": "the server's greedy tokens from codes against scd-store's transformers "
+                                        "decode path on the same stored codes",
+                                "tokens_equal_before_first_difference": f"{fidelity['equal']} of {fidelity['tokens']}",
+                                "logprob_abs_diff_max": round(max(diffs), 6) if diffs else None,
+                                "logprob_abs_diff_mean": round(statistics.mean(diffs), 6) if diffs else None}}
