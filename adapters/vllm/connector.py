@@ -155,8 +155,10 @@ class ScdConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         plan = self._get_connector_metadata() if self.has_connector_metadata() else None
-        if self._worker is not None and isinstance(plan, StepPlan) and plan.saves:
-            self._worker.save(plan)
+        if self._worker is not None and isinstance(plan, StepPlan):
+            self._worker.count_lookups(plan)
+            if plan.saves:
+                self._worker.save(plan)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.failed_blocks() if self._worker is not None else set()

@@ -63,7 +63,9 @@ class ChunkSave:
 
 @dataclass
 class StepPlan(KVConnectorMetadata):
-    """One step's loads and saves."""
+    """One step's loads and saves, and the consumer lookups since the last step (``(model, tokens)``,
+    counted where the loads happen so that process's hit rate is its own)."""
 
     loads: list[ChunkLoad] = field(default_factory=list)
     saves: list[ChunkSave] = field(default_factory=list)
+    lookups: list[tuple[str, int]] = field(default_factory=list)

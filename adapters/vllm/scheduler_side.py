@@ -63,6 +63,7 @@ class SchedulerSide:
         self.chunk_size = service.store.chunk_size
         self._hits: dict[str, tuple[str, list[bytes]]] = {}
         self._loads: list[ChunkLoad] = []
+        self._lookups: list[tuple[str, int]] = []
         self._producing: dict[str, _Producing] = {}
         self._counted: set[str] = set()
         self._requests: dict[str, Any] = {}  # vLLM's Request objects (what a step's new-request data leaves out)
@@ -97,9 +98,10 @@ class SchedulerSide:
         if usable <= 0:
             return 0
         hashes = chunk_hashes(tokens[:usable * self.chunk_size], self.chunk_size)
-        first_ask = request.request_id not in self._counted
-        self._counted.add(request.request_id)
-        found = self.service.contains(model, hashes, tokens=usable * self.chunk_size if first_ask else None)
+        if request.request_id not in self._counted:  # asked again while it waits for blocks: one lookup
+            self._counted.add(request.request_id)
+            self._lookups.append((model, usable * self.chunk_size))
+        found = self.service.contains(model, hashes)
         matched = found * self.chunk_size
         if matched <= num_computed_tokens:
             self._hits.pop(request.request_id, None)
@@ -148,8 +150,8 @@ class SchedulerSide:
 
     def build(self, scheduler_output: Any) -> StepPlan:
         """This step's plan: the loads planned since the last step, and producers' newly computed chunks."""
-        plan = StepPlan(loads=self._loads)
-        self._loads = []
+        plan = StepPlan(loads=self._loads, lookups=self._lookups)
+        self._loads, self._lookups = [], []
         scheduled = scheduler_output.num_scheduled_tokens
         for new_req in scheduler_output.scheduled_new_reqs:
             self._start_producing(new_req)

@@ -66,6 +66,10 @@ class WorkerSide:
         return self._maps
 
     # ------------------------------------------------------------ loads
+    def count_lookups(self, plan: StepPlan) -> None:
+        for model, tokens in plan.lookups:
+            self.service.count_requested(model, tokens)
+
     def load(self, plan: StepPlan) -> None:
         for load in plan.loads:
             try:

@@ -53,6 +53,9 @@ class RawKVDirectory:
     def models(self) -> dict[str, str]:
         return {self.producer: "producer", "(any other model)": "consumer"}
 
+    def count_requested(self, model: str, tokens: int) -> None:
+        return  # the baseline keeps no hit statistics
+
     def check_hashing(self, model: str, canary: Any) -> None:
         return  # one process layout and scd-store's own chain: nothing to compare
 

@@ -167,8 +167,16 @@ class KVService:
         if not self.hashing.ok(binding):
             return 0
         if tokens:
-            self.store.stats.inc("requested_tokens", tokens, space=binding.space.space_id, pair=binding.pair_id)
+            self.count_requested(model, tokens)
         return self._consumer(binding).contains(hashes)
+
+    def count_requested(self, model: str, tokens: int) -> None:
+        """Count a consumer's lookup of ``tokens`` tokens (``requested_tokens``, the hit rate's denominator) in
+        this process: for engines that look up in one process and load in another (vLLM), so each
+        process's hit rate is its own."""
+        binding = self.binding(model)
+        if binding is not None and binding.role == "consumer" and tokens > 0:
+            self.store.stats.inc("requested_tokens", tokens, space=binding.space.space_id, pair=binding.pair_id)
 
     def get(self, model: str, hashes: Sequence[bytes], *, device: torch.device | str = "cpu",
             dtype: torch.dtype = torch.float32, into: Buffers | None = None) -> list[KVState]:

@@ -92,7 +92,11 @@ def test_a_consumer_hit_is_the_stored_leading_run_and_leaves_the_last_token(serv
     whole = PROMPT[:3 * CHUNK]  # a prompt of exactly three chunks: the engine computes the last token itself
     assert side.matched_tokens(request("c3", prompt=whole), 0) == 2 * CHUNK
     assert side.matched_tokens(request("c4"), 3 * CHUNK) == 0  # the engine's own cache already has it all
-    assert service.store.stats.value("requested_tokens") == (3 + 3 + 2 + 3) * CHUNK
+    assert service.store.stats.value("requested_tokens") == 0  # counted where the loads run (the worker)
+    lookups = side.build(output()).lookups
+    assert lookups == [("consumer-a", 3 * CHUNK), ("consumer-a", 3 * CHUNK), ("consumer-a", 2 * CHUNK),
+                       ("consumer-a", 3 * CHUNK)]
+    assert side.build(output()).lookups == []
 
 
 def test_the_load_plan_covers_only_tokens_the_engine_has_not(service):
