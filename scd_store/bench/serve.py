@@ -44,6 +44,9 @@ class ServeConfig:
             raise ValueError("prefixes need at least one 256-token chunk; concurrency, waves and new tokens >= 1")
         if self.agreement_windows < 0:
             raise ValueError("agreement_windows must be >= 0")
+        for name in (self.consumer, *(self.agreement_consumers if self.agreement_windows else ())):
+            if not (Path(self.bundle) / "pairs" / f"{name}.json").is_file():
+                raise ValueError(f"bundle {self.bundle} has no pair for {name!r} (see --agreement-consumers)")
         unknown = set(self.routes) - set(ROUTES)
         if unknown:
             raise ValueError(f"unknown routes {sorted(unknown)}; known: {list(ROUTES)}")

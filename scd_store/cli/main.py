@@ -123,6 +123,12 @@ def _bench_transfer(args: argparse.Namespace) -> int:
     return 0
 
 
+def catalog_consumers() -> tuple[str, ...]:
+    from scd_store.models import catalog
+
+    return tuple(catalog.CONSUMERS)
+
+
 def _bench_serve(args: argparse.Namespace) -> int:
     import json
 
@@ -141,7 +147,8 @@ def _bench_serve(args: argparse.Namespace) -> int:
         bundle = str(demo_bundle(DemoConfig(), producer, consumers, Console(stderr=True)))
     try:
         config = ServeConfig(bundle, args.consumer, tuple(args.prefix_tokens), tuple(args.concurrency), args.waves,
-                             args.suffix_tokens, args.new_tokens, args.root, agreement_windows=args.agreement_windows)
+                             args.suffix_tokens, args.new_tokens, args.root, agreement_windows=args.agreement_windows,
+                             agreement_consumers=tuple(args.agreement_consumers))
     except ValueError as exc:
         print(f"bench serve: {exc}", file=sys.stderr)
         return 2
@@ -284,6 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--root", help="the servers' store, logs and stats (default: a temporary directory)")
     serve.add_argument("--agreement-windows", type=int, default=10,
                        help="held-out windows per consumer: greedy answers by each route against its own (0: skip)")
+    serve.add_argument("--agreement-consumers", nargs="+", default=list(catalog_consumers()),
+                       help="the fine-tunes whose answers are compared (their pairs must be in the bundle)")
     serve.add_argument("--json", type=Path)
     serve.set_defaults(func=_bench_serve)
 
