@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from typing import Any
 
 import torch
@@ -71,7 +72,10 @@ class WorkerSide:
             self.service.count_requested(model, tokens)
 
     def load(self, plan: StepPlan) -> None:
+        """Every load of the step, on the engine's thread before its forward (``vllm_load`` in the latency
+        histogram: fetch, decode and write)."""
         for load in plan.loads:
+            started = time.perf_counter()
             try:
                 loaded = self._load_one(load)
             except (LayoutError, ValueError) as exc:
@@ -81,6 +85,7 @@ class WorkerSide:
             end = len(load.hashes) * load.chunk_size
             if loaded < end:
                 self._failed |= load.blocks_from(loaded)
+            self.service.store.stats.observe("vllm_load", time.perf_counter() - started)
 
     def _load_one(self, load: ChunkLoad) -> int:
         """Decode and write one request's hit; returns the tokens of the prompt now in its blocks."""
@@ -113,12 +118,16 @@ class WorkerSide:
 
     # ------------------------------------------------------------ saves
     def save(self, plan: StepPlan) -> None:
+        """Copy the step's producer chunks out of the paged cache (the engine's thread waits for this copy
+        only: ``vllm_save_copy`` in the latency histogram) and hand them to the put worker."""
         for save in plan.saves:
+            started = time.perf_counter()
             try:
                 self._save_one(save)
             except LayoutError as exc:
                 self._once.warn("save-layout", "scd-store: cannot read vLLM's cache; not storing (logged once): %s",
                                 exc)
+            self.service.store.stats.observe("vllm_save_copy", time.perf_counter() - started)
 
     def _save_one(self, save: ChunkSave) -> None:
         maps = self.maps()
