@@ -45,13 +45,15 @@ def write_store_yaml(path: Path, disk: Path) -> Path:
 
 def tiny_deployment(tmp_path: Path, consumers: tuple[str, ...] = ("consumer-a", "consumer-b")
                     ) -> tuple[Path, Path, dict[str, str]]:
-    """A tiny bundle, an embedded store config and the environment engine processes run with."""
+    """A tiny bundle, an embedded store config and the environment engine processes run with (one
+    ``PYTHONHASHSEED`` for all: with vLLM installed, LMCache seeds its hash chain from vLLM's, which is
+    random per process without it; docs/engines.md#hash-agreement)."""
     from tests.bundles import write_tiny_bundle
 
     bundle = tmp_path / "bundle"
     write_tiny_bundle(bundle, consumers=consumers)
     return bundle, write_store_yaml(tmp_path / "store.yaml", tmp_path / "disk"), {
-        "SCD_STORE_HOME": str(tmp_path / "home")}
+        "SCD_STORE_HOME": str(tmp_path / "home"), "PYTHONHASHSEED": "0"}
 
 
 def make_engine(model: str, config: LMCacheEngineConfig, kv: torch.Tensor, heads: int,
