@@ -5,8 +5,9 @@ Loads run before the step's forward (``start_load_kv``): the consumer's codes ar
 its blocks with the attention backend's own cache op. Tokens of chunks that could not be decoded
 are reported as failed blocks, so vLLM recomputes them (the connector sets
 ``kv_load_failure_policy: recompute``). Saves run after the forward (``wait_for_save``): the
-producer's new chunks are gathered out of the paged cache (a copy, so the blocks may be reused at
-once) and encoded and stored on scd-store's put worker, off the engine's thread.
+engine's thread copies the producer's new chunks' blocks as they lie (a block copy, so the blocks
+may be reused at once); un-packing them through the layout map, encoding and storing run on
+scd-store's put worker, off the engine's thread.
 """
 
 from __future__ import annotations
@@ -118,8 +119,8 @@ class WorkerSide:
 
     # ------------------------------------------------------------ saves
     def save(self, plan: StepPlan) -> None:
-        """Copy the step's producer chunks out of the paged cache (the engine's thread waits for this copy
-        only: ``vllm_save_copy`` in the latency histogram) and hand them to the put worker."""
+        """Copy the step's producer chunks' blocks out of the paged cache (the engine's thread waits for this
+        copy only: ``vllm_save_copy`` in the latency histogram) and hand them to the put worker."""
         for save in plan.saves:
             started = time.perf_counter()
             try:
@@ -130,17 +131,42 @@ class WorkerSide:
             self.service.store.stats.observe("vllm_save_copy", time.perf_counter() - started)
 
     def _save_one(self, save: ChunkSave) -> None:
-        maps = self.maps()
-        gathered: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        """The engine's thread copies the chunks' whole blocks as they lie (one ``index_select`` per layer);
+        the put worker un-packs them through the layer maps and encodes."""
+        block = self.caches[0].shape[2]
+        copied: list[tuple[list[torch.Tensor], int]] = []
         for start, slots in zip(save.starts, save.slots, strict=True):
-            index = torch.tensor(slots, dtype=torch.int64)
-            per_layer = [read_tokens(block_map, cache, index)
-                         for block_map, cache in zip(maps, self.caches, strict=True)]
-            keys = torch.stack([k.transpose(0, 1) for k, _ in per_layer])  # [layers, kv_heads, tokens, head_dim]
-            values = torch.stack([v.transpose(0, 1) for _, v in per_layer])
-            gathered.append((keys, values, start))
+            index = torch.tensor(whole_blocks(slots, block), dtype=torch.int64, device=self.caches[0].device)
+            copied.append(([cache.index_select(0, index) for cache in self.caches], start))
 
-        def states() -> list[KVState]:  # on scd-store's put worker
-            return [KVState(k.float(), v.float(), start=start) for k, v, start in gathered]
+        def states() -> list[KVState] | None:  # on scd-store's put worker
+            try:
+                maps = self.maps()
+            except LayoutError as exc:
+                self._once.warn("save-layout", "scd-store: cannot read vLLM's cache; not storing (logged once): %s",
+                                exc)
+                return None
+            out = []
+            for blocks, start in copied:
+                local = torch.arange(blocks[0].shape[0] * block, dtype=torch.int64)
+                per_layer = [read_tokens(m, b, local) for m, b in zip(maps, blocks, strict=True)]
+                keys = torch.stack([k.transpose(0, 1) for k, _ in per_layer])  # [layers, kv_heads, tokens, dim]
+                values = torch.stack([v.transpose(0, 1) for _, v in per_layer])
+                out.append(KVState(keys.float(), values.float(), start=start))
+            return out
 
         self.service.submit_put(save.model, save.hashes, states)
+
+
+def whole_blocks(slots: list[int], block_size: int) -> list[int]:
+    """The blocks that ``slots`` fill exactly, in order (a chunk is whole blocks of its request)."""
+    if not slots or len(slots) % block_size:
+        raise LayoutError(f"a chunk of {len(slots)} slots is not whole {block_size}-token blocks")
+    blocks = []
+    for i in range(0, len(slots), block_size):
+        first = slots[i]
+        if first % block_size or slots[i + block_size - 1] != first + block_size - 1 \
+                or slots[i:i + block_size] != list(range(first, first + block_size)):
+            raise LayoutError("a chunk's slots do not fill whole blocks")
+        blocks.append(first // block_size)
+    return blocks

@@ -29,3 +29,42 @@ def test_layers_are_taken_in_model_order_by_their_index():
     assert layer_order(names) == sorted(names, key=lambda n: int(n.split(".")[2]))
     with pytest.raises(LayoutError, match="layer index"):
         layer_order(["attn"])
+
+
+def test_a_producer_chunk_is_copied_as_blocks_and_unpacked_off_the_engine_thread():
+    import types
+
+    import torch
+
+    from scd_store.adapters.vllm.plan import ChunkSave, slots_of
+    from tests.adapters.vllm.engine_layers import cpu_layer
+
+    block, heads, dim = 32, 3, 64
+    layers = [cpu_layer(torch.float32, block, dim) for _ in range(2)]
+    caches = [torch.zeros(6, heads, block, 2 * dim) for _ in layers]
+    request_blocks = [4, 1, 5, 2]
+    slots = torch.tensor(slots_of(request_blocks, block, 0, 4 * block))
+    written = [(torch.randn(4 * block, heads, dim), torch.randn(4 * block, heads, dim)) for _ in layers]
+    for layer, cache, (k, v) in zip(layers, caches, written, strict=True):
+        layer.impl.do_kv_cache_update(layer, k, v, cache, slots)  # the engine's own writes
+    submitted = []
+    service = types.SimpleNamespace(submit_put=lambda model, hashes, states: submitted.append(states) or True,
+                                    store=types.SimpleNamespace(stats=None))
+    worker = WorkerSide(service)
+    worker.register({f"model.layers.{i}.self_attn.attn": c for i, c in enumerate(caches)},
+                    {f"model.layers.{i}.self_attn.attn": layer for i, layer in enumerate(layers)})
+    save = ChunkSave("r1", "producer", [b"\x01" * 16, b"\x02" * 16], [0, 2 * block],
+                     [slots.tolist()[:2 * block], slots.tolist()[2 * block:]])
+    worker._save_one(save)
+    assert worker._maps is None  # nothing un-packed on the engine's thread
+    for cache in caches:
+        cache.zero_()  # the blocks are reused at once: the put worker reads its own copy
+    states = submitted[0]()
+    assert [s.start for s in states] == [0, 2 * block]
+    for i, state in enumerate(states):
+        for layer, (k, v) in enumerate(written):
+            part = slice(i * 2 * block, (i + 1) * 2 * block)
+            assert torch.equal(state.keys[layer], k[part].transpose(0, 1))
+            assert torch.equal(state.values[layer], v[part].transpose(0, 1))
+    with pytest.raises(LayoutError, match="whole"):
+        worker._save_one(ChunkSave("r2", "producer", [b"\x03" * 16], [0], [list(range(1, 2 * block + 1))]))
