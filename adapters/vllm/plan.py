@@ -22,21 +22,26 @@ def slots_of(block_ids: list[int], block_size: int, first: int, last: int) -> li
 @dataclass(slots=True)
 class ChunkLoad:
     """A consumer request's hit: decode ``hashes`` (chunks ``0 .. n-1`` of its prompt) and write their
-    tokens ``first_token ..`` (those the engine has not computed itself) at ``slots``."""
+    tokens ``first_token ..`` (those the engine has not computed itself) into the request's blocks."""
 
     req_id: str
     model: str
     hashes: list[bytes]
     chunk_size: int
     first_token: int
-    slots: list[int]
     block_ids: list[int]
     block_size: int
 
     def __post_init__(self) -> None:
         end = len(self.hashes) * self.chunk_size
-        if not 0 <= self.first_token < end or len(self.slots) != end - self.first_token:
-            raise ValueError(f"a load of tokens {self.first_token}..{end} with {len(self.slots)} slots")
+        if not 0 <= self.first_token < end or end > len(self.block_ids) * self.block_size:
+            raise ValueError(f"a load of tokens {self.first_token}..{end} into {len(self.block_ids)} blocks of "
+                             f"{self.block_size}")
+
+    @property
+    def slots(self) -> list[int]:
+        """Slots of the tokens to write, ``first_token ..`` the hit's end."""
+        return slots_of(self.block_ids, self.block_size, self.first_token, len(self.hashes) * self.chunk_size)
 
     def blocks_from(self, token: int) -> set[int]:
         """Blocks holding the loaded tokens from ``token`` on (reported as failed when they cannot be loaded)."""

@@ -117,8 +117,7 @@ class SchedulerSide:
         model, hashes = hit
         end = len(hashes) * self.chunk_size
         first = end - num_external_tokens
-        self._loads.append(ChunkLoad(request.request_id, model, hashes, self.chunk_size, first,
-                                     slots_of(block_ids, self.block_size, first, end), list(block_ids),
+        self._loads.append(ChunkLoad(request.request_id, model, hashes, self.chunk_size, first, list(block_ids),
                                      self.block_size))
 
     # ------------------------------------------------------------ producer saves

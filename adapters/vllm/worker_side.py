@@ -89,10 +89,12 @@ class WorkerSide:
             self.service.store.stats.observe("vllm_load", time.perf_counter() - started)
 
     def _load_one(self, load: ChunkLoad) -> int:
-        """Decode and write one request's hit; returns the tokens of the prompt now in its blocks."""
+        """Decode and write one request's hit; returns the tokens of the prompt now in its blocks. Chunks
+        wholly below ``first_token`` (in the engine's own prefix cache) are neither fetched nor decoded."""
         _, heads, _, width = self.caches[0].shape
         shape = (len(self.caches), heads, load.chunk_size, width // 2)
         dtype = self.caches[0].dtype
+        skipped = load.first_token // load.chunk_size
         buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def into(i: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -101,16 +103,16 @@ class WorkerSide:
             buffers.append((torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)))
             return buffers[-1]
 
-        states = self.service.get(load.model, load.hashes, into=into)
-        loaded = len(states) * load.chunk_size
-        if loaded <= load.first_token:
-            return loaded
-        keys = torch.cat([k for k, _ in buffers[:len(states)]], dim=2)[:, :, load.first_token:loaded]
-        values = torch.cat([v for _, v in buffers[:len(states)]], dim=2)[:, :, load.first_token:loaded]
-        slots = torch.tensor(load.slots[:loaded - load.first_token], dtype=torch.int64)
-        for layer, cache, k, v in zip(self.layers, self.caches, keys, values, strict=True):
-            write_tokens(layer, cache, k.transpose(0, 1), v.transpose(0, 1), slots)
-        return loaded
+        states = self.service.get(load.model, load.hashes[skipped:], into=into)
+        slots = torch.tensor(load.slots, dtype=torch.int64)
+        for i, (keys, values) in enumerate(buffers[:len(states)]):
+            start = (skipped + i) * load.chunk_size
+            first = max(start, load.first_token)
+            where = slots[first - load.first_token:start + load.chunk_size - load.first_token]
+            for layer, cache, k, v in zip(self.layers, self.caches, keys, values, strict=True):
+                write_tokens(layer, cache, k[:, first - start:].transpose(0, 1), v[:, first - start:].transpose(0, 1),
+                             where)
+        return (skipped + len(states)) * load.chunk_size
 
     def failed_blocks(self) -> set[int]:
         """Blocks whose load failed since the last call (vLLM recomputes them)."""

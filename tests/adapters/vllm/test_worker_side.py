@@ -68,3 +68,46 @@ def test_a_producer_chunk_is_copied_as_blocks_and_unpacked_off_the_engine_thread
             assert torch.equal(state.values[layer], v[part].transpose(0, 1))
     with pytest.raises(LayoutError, match="whole"):
         worker._save_one(ChunkSave("r2", "producer", [b"\x03" * 16], [0], [list(range(1, 2 * block + 1))]))
+
+
+def test_a_hit_is_written_into_the_request_blocks_from_the_first_token_the_engine_lacks():
+    import types
+
+    import torch
+
+    from scd_store.adapters.vllm.paged_layout import probe, read_tokens
+    from scd_store.adapters.vllm.plan import ChunkLoad, slots_of
+    from tests.adapters.vllm.engine_layers import cpu_layer
+
+    block, heads, dim, chunk = 32, 3, 64, 64
+    layers = [cpu_layer(torch.float32, block, dim) for _ in range(2)]
+    caches = [torch.zeros(8, heads, block, 2 * dim) for _ in layers]
+    decoded = {bytes([i]) * 16: (torch.randn(2, heads, chunk, dim), torch.randn(2, heads, chunk, dim))
+               for i in range(3)}
+    asked = []
+
+    def get(model, hashes, into):
+        asked.append(list(hashes))
+        states = []
+        for i, h in enumerate(hashes):
+            keys, values = into(i, chunk)
+            keys.copy_(decoded[h][0])
+            values.copy_(decoded[h][1])
+            states.append(h)
+        return states
+
+    worker = WorkerSide(types.SimpleNamespace(get=get))
+    worker.register({f"model.layers.{i}.self_attn.attn": c for i, c in enumerate(caches)},
+                    {f"model.layers.{i}.self_attn.attn": layer for i, layer in enumerate(layers)})
+    blocks = [7, 2, 5, 0, 3, 6]
+    load = ChunkLoad("r1", "consumer", list(decoded), chunk, 96, blocks, block)  # the engine holds tokens 0..95
+    assert worker._load_one(load) == 3 * chunk
+    assert asked == [list(decoded)[1:]]  # chunk 0 lies wholly in the engine's own cache: not fetched
+    assert torch.equal(caches[0][blocks[0]], torch.zeros_like(caches[0][0]))  # the engine's blocks are untouched
+    maps = [probe(layer, cache) for layer, cache in zip(layers, caches, strict=True)]
+    slots = torch.tensor(slots_of(blocks, block, 96, 3 * chunk))
+    want_k = torch.cat([decoded[h][0] for h in decoded], 2)[:, :, 96:]
+    for layer, (block_map, cache) in enumerate(zip(maps, caches, strict=True)):
+        keys, values = read_tokens(block_map, cache, slots)
+        assert torch.equal(keys, want_k[layer].transpose(0, 1))
+        assert torch.equal(values, torch.cat([decoded[h][1] for h in decoded], 2)[layer, :, 96:].transpose(0, 1))
