@@ -66,6 +66,7 @@ class SchedulerSide:
         self._lookups: list[tuple[str, int]] = []
         self._producing: dict[str, _Producing] = {}
         self._counted: set[str] = set()
+        self._unkeyed: set[str] = set()
         self._requests: dict[str, Any] = {}  # vLLM's Request objects (what a step's new-request data leaves out)
         self._once = LogOnce(log)
 
@@ -78,8 +79,13 @@ class SchedulerSide:
         return None if binding is None else binding.role
 
     def _unkeyable(self, request: Any) -> bool:
+        """Whether the request cannot be keyed by its tokens (counted once per request, logged once)."""
         if keyable(request):
             return False
+        req_id = getattr(request, "request_id", None) or request.req_id
+        if req_id in self._unkeyed:  # asked again while it waits for blocks
+            return True
+        self._unkeyed.add(req_id)
         self.service.store.stats.inc("unkeyable_requests")
         self._once.warn("unkeyable", "scd-store: requests with prompt embeddings, multimodal inputs or a cache_salt "
                         "are neither stored nor served (counted as unkeyable_requests; logged once)")
@@ -177,3 +183,4 @@ class SchedulerSide:
         self._hits.pop(request.request_id, None)
         self._requests.pop(request.request_id, None)
         self._counted.discard(request.request_id)
+        self._unkeyed.discard(request.request_id)

@@ -126,6 +126,7 @@ def test_requests_whose_tokens_do_not_identify_them_are_neither_stored_nor_serve
     producer = SchedulerSide(service, PRODUCER, BLOCK)
     embedded = SimpleNamespace(**{**vars(request("e1", model="adapter-x")), "prompt_embeds": object()})
     assert producer.matched_tokens(embedded, 0) == 0
+    assert producer.matched_tokens(embedded, 0) == 0  # asked again while waiting for blocks: counted once
     mm = SimpleNamespace(**{**vars(request("m1", block_ids=(list(range(8)),), num_computed_tokens=0)),
                             "mm_features": [object()]})
     assert producer.build(output([mm], scheduled={"m1": len(PROMPT)})).saves == []
