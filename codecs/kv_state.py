@@ -69,6 +69,18 @@ class KVState:
         return KVState(self.keys.to(device=device, dtype=dtype), self.values.to(device=device, dtype=dtype), hidden,
                        self.start, residual)
 
+    @classmethod
+    def cat(cls, states: list[KVState]) -> KVState:
+        """Consecutive states (chunks of one sequence, in order) as one, from the first one's start."""
+        if not states:
+            raise ValueError("no states to join")
+        for before, after in zip(states, states[1:], strict=False):
+            if after.start != before.start + before.num_tokens:
+                raise ValueError(f"states are not consecutive: one ends at {before.start + before.num_tokens}, "
+                                 f"the next starts at {after.start}")
+        return cls(torch.cat([s.keys for s in states], 2), torch.cat([s.values for s in states], 2),
+                   start=states[0].start)
+
     @property
     def positions(self) -> torch.Tensor:
         """Absolute positions of the tokens, ``[num_tokens]``."""

@@ -11,7 +11,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from integration_tests.processes import ROOT, free_port, stop_process
+from integration_tests.processes import ROOT, stop_process
+from scd_store.bench.vllm_server import free_port
 
 
 class LMCacheServer:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -76,8 +75,3 @@ def stop_process(proc: subprocess.Popen | None, timeout: float) -> None:
         proc.kill()
         proc.wait(timeout=timeout)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -15,7 +15,8 @@ import yaml
 from safetensors.torch import load_file
 
 from integration_tests.engine_processes import chunks_of
-from integration_tests.processes import ROOT, JsonLineProcess, free_port
+from integration_tests.processes import ROOT, JsonLineProcess
+from scd_store.bench.vllm_server import free_port
 from scd_store.codecs.scd.bundle import load_pair, load_space
 from scd_store.codecs.scd.codec import ScdCodec
 from tests.bundles import PRODUCER, write_tiny_bundle

@@ -12,8 +12,9 @@ import yaml
 pytest.importorskip("vllm", reason="the vLLM stack is installed by `make test`")
 
 from integration_tests.redis_servers import RedisServer  # noqa: E402
-from integration_tests.vllm_harness import hit_tokens, joined, reference, settled_hits, wait_until  # noqa: E402
+from integration_tests.vllm_harness import hit_tokens, reference, settled_hits, wait_until  # noqa: E402
 from scd_store.bench.vllm_server import ServerSpec, VllmServer, choice_tokens  # noqa: E402
+from scd_store.codecs.kv_state import KVState  # noqa: E402
 from scd_store.models import catalog  # noqa: E402
 from scd_store.models.prepare import model_dir  # noqa: E402
 from scd_store.models.windows import eval_windows  # noqa: E402
@@ -82,7 +83,7 @@ def test_a_consumer_server_loads_codes_stored_through_lmcache(deployment, shakes
         before = hit_tokens(deployment["redis"].url)
         tokens, logprobs = choice_tokens(deployment["consumer"].complete(shakespeare.name, prompt, NEW))
         assert settled_hits(deployment["redis"].url, before, CHUNK * CHUNKS) == CHUNK * CHUNKS
-        want_tokens, want_logprobs = reference(shakespeare.model, joined(states), prompt[CHUNK * CHUNKS:], NEW)
+        want_tokens, want_logprobs = reference(shakespeare.model, KVState.cat(states), prompt[CHUNK * CHUNKS:], NEW)
         assert tokens == want_tokens
         assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) < 2e-3
     finally:

@@ -18,7 +18,6 @@ pytest.importorskip("vllm", reason="the vLLM stack is installed by `make test`")
 from integration_tests.redis_servers import RedisServer  # noqa: E402
 from integration_tests.vllm_harness import (  # noqa: E402
     hit_tokens,
-    joined,
     reference,
     settled_hits,
     wait_until,
@@ -108,7 +107,7 @@ def test_consumers_load_the_codes_and_generate_as_scd_stores_own_decode(deployme
     before = hit_tokens(deployment["redis"].url)
     tokens, logprobs = choice_tokens(server.complete(model.name, prompt, NEW))
     assert settled_hits(deployment["redis"].url, before, CHUNK * CHUNKS) == CHUNK * CHUNKS
-    want_tokens, want_logprobs = reference(model.model, joined(service.get(model.name, hashes)),
+    want_tokens, want_logprobs = reference(model.model, KVState.cat(service.get(model.name, hashes)),
                                            prompt[CHUNK * CHUNKS:], NEW)
     assert tokens == want_tokens
     assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) < 2e-3

@@ -69,11 +69,6 @@ def reference(model: torch.nn.Module, state: KVState, tail: list[int], new: int)
     return greedy_logprobs(model, state, torch.tensor(tail), new)
 
 
-def joined(states: list[KVState]) -> KVState:
-    """One prefix state of consecutive chunk states."""
-    return KVState(torch.cat([s.keys for s in states], 2), torch.cat([s.values for s in states], 2), start=0)
-
-
 def hit_tokens(redis_url: str) -> int:
     """Hit tokens of every pair, as ``scd-store stats`` reports them from the deployment's Redis."""
     out = subprocess.run([sys.executable, "-m", "scd_store.cli.main", "stats", "--redis", redis_url, "--json"],

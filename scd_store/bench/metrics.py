@@ -1,4 +1,5 @@
-"""Continuation metrics against the oracle: perplexity, KL divergence, greedy top-1 agreement."""
+"""Continuation metrics against the oracle: perplexity, KL divergence, greedy top-1 agreement, and how far
+two greedy answers agree."""
 
 from __future__ import annotations
 
@@ -7,6 +8,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Tokens ``a`` shares with ``b`` before they first differ."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 @dataclass(slots=True)

@@ -15,20 +15,13 @@ from typing import Any
 import torch
 
 from scd_store.adapters.transformers import LoadedModel, greedy_logprobs
+from scd_store.bench.metrics import common_prefix
 from scd_store.bench.serving import CHUNK, ROUTES, Deployment
 from scd_store.bench.vllm_server import choice_tokens
 from scd_store.codecs.kv_state import KVState
 from scd_store.models import catalog
 from scd_store.models.windows import eval_windows
 from scd_store.store.keys import chunk_hashes
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-
-
-def _joined(states: list[KVState]) -> KVState:
-    return KVState(torch.cat([s.keys for s in states], 2), torch.cat([s.values for s in states], 2), start=0)
 
 
 def consumer_agreement(deployment: Deployment, consumer: LoadedModel, windows: int, prefix_tokens: int,
@@ -39,25 +32,22 @@ def consumer_agreement(deployment: Deployment, consumer: LoadedModel, windows: i
     answers: dict[str, list[list[int]]] = {route: [] for route in ROUTES}
     fidelity = {"tokens": 0, "equal": 0, "logprob_diffs": []}
     service = deployment.store_service()
-    try:
-        for window in eval_windows(consumer.tokenizer, corpus, windows, prefix_tokens + tail_tokens, seed=seed):
-            prompt = [int(t) for t in window]
-            base.complete(deployment.producer, prompt[:prefix_tokens], 1)
-            covered = deployment.wait_stored(prompt[:prefix_tokens])
-            got = {route: server.complete(consumer.name, prompt, new_tokens, kv_params=params)
-                   for route, params in ROUTES.items()}
-            for route, response in got.items():
-                answers[route].append(choice_tokens(response)[0])
-            states = service.get(consumer.name, chunk_hashes(prompt[:covered], CHUNK))
-            want, want_lp = greedy_logprobs(consumer.model, _joined(states), torch.tensor(prompt[covered:]),
-                                            new_tokens)
-            tokens, logprobs = choice_tokens(got["scd"])
-            same = common_prefix(tokens, want)
-            fidelity["tokens"] += len(want)
-            fidelity["equal"] += same
-            fidelity["logprob_diffs"] += [abs(a - b) for a, b in zip(logprobs[:same], want_lp[:same], strict=True)]
-    finally:
-        service.close()
+    for window in eval_windows(consumer.tokenizer, corpus, windows, prefix_tokens + tail_tokens, seed=seed):
+        prompt = [int(t) for t in window]
+        base.complete(deployment.producer, prompt[:prefix_tokens], 1)
+        covered = deployment.wait_stored(prompt[:prefix_tokens])
+        got = {route: server.complete(consumer.name, prompt, new_tokens, kv_params=params)
+               for route, params in ROUTES.items()}
+        for route, response in got.items():
+            answers[route].append(choice_tokens(response)[0])
+        states = service.get(consumer.name, chunk_hashes(prompt[:covered], CHUNK))
+        want, want_lp = greedy_logprobs(consumer.model, KVState.cat(states), torch.tensor(prompt[covered:]),
+                                        new_tokens)
+        tokens, logprobs = choice_tokens(got["scd"])
+        same = common_prefix(tokens, want)
+        fidelity["tokens"] += len(want)
+        fidelity["equal"] += same
+        fidelity["logprob_diffs"] += [abs(a - b) for a, b in zip(logprobs[:same], want_lp[:same], strict=True)]
     own = answers["own"]
     routes = {}
     for route in ("scd", "raw"):

@@ -49,6 +49,7 @@ class Deployment:
     redis_url: str | None = None
     max_model_len: int = 4096
     servers: dict[str, VllmServer] = field(default_factory=dict)
+    _reader: KVService | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         for sub in ("disk", "raw", "stats", "logs"):
@@ -86,6 +87,9 @@ class Deployment:
     def stop(self) -> None:
         for server in self.servers.values():
             server.stop()
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
 
     def __enter__(self) -> Deployment:
         return self.start()
@@ -94,36 +98,31 @@ class Deployment:
         self.stop()
 
     def store_service(self) -> KVService:
-        """A service over the deployment's store, for reading what the servers stored (its counters stay
-        out of the deployment's)."""
-        return KVService(open_store(load_config(str(self.store_yaml)), share_stats=False), [self.bundle])
+        """This process's service over the deployment's store, for reading what the servers stored (opened
+        once, closed with the deployment; its counters stay out of the deployment's)."""
+        if self._reader is None:
+            self._reader = KVService(open_store(load_config(str(self.store_yaml)), share_stats=False), [self.bundle])
+        return self._reader
 
     def wait_stored(self, prompt: list[int], timeout: float = 60.0) -> int:
         """Wait until the producer's whole chunks of ``prompt`` are in the store and the raw directory;
         the tokens they cover."""
         hashes = chunk_hashes(prompt, CHUNK)
         service = self.store_service()
-        try:
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                raw = all((self.raw_dir / f"{h.hex()}.kv").is_file() for h in hashes)
-                if raw and service.contains(self.producer, hashes) == len(hashes):
-                    return len(hashes) * CHUNK
-                time.sleep(0.25)
-        finally:
-            service.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            raw = all((self.raw_dir / f"{h.hex()}.kv").is_file() for h in hashes)
+            if raw and service.contains(self.producer, hashes) == len(hashes):
+                return len(hashes) * CHUNK
+            time.sleep(0.25)
         raise TimeoutError(f"the producer's {len(hashes)} chunks were not stored within {timeout:.0f} s")
 
     def hit_bytes(self, prompt: list[int]) -> dict[str, int]:
         """Bytes a hit on ``prompt``'s stored chunks moves: codes and raw KV (fp16), from the stored blobs."""
         hashes = chunk_hashes(prompt[:-1], CHUNK)
         service = self.store_service()
-        try:
-            binding = next(service.binding(name) for name in self.consumers if service.binding(name))
-            chunks = service.store.consumer(binding.pair_id, binding.model).get(hashes)
-            codes = sum(len(c.payload) for c in chunks)
-        finally:
-            service.close()
+        binding = next(service.binding(name) for name in self.consumers if service.binding(name))
+        codes = sum(len(c.payload) for c in service.store.consumer(binding.pair_id, binding.model).get(hashes))
         raw = sum((self.raw_dir / f"{h.hex()}.kv").stat().st_size for h in hashes
                   if (self.raw_dir / f"{h.hex()}.kv").is_file())
         return {"scd": codes, "raw": raw}

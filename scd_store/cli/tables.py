@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from scd_store.bench.quality import QualityReport
 
 console = Console()
+
+
+def one_line(text: str, width: int = 60) -> str:
+    """One line of at most ``width`` characters, with rich markup escaped (code has brackets)."""
+    text = " ".join(text.split())
+    return escape(text if len(text) <= width else text[:width - 1] + "…")
 
 
 def print_quality(report: QualityReport) -> None:

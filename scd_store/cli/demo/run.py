@@ -18,15 +18,16 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
 from scd_store.adapters.transformers import LoadedModel, load_model
 from scd_store.adapters.transformers.calibration import CalibrationConfig
 from scd_store.adapters.transformers.capture import prefill_capture
 from scd_store.adapters.transformers.inject import PrefixBuffer, generate_greedy
+from scd_store.bench.metrics import common_prefix
 from scd_store.bench.ttft import first_token
 from scd_store.cli.demo.prompts import REQUESTS, SYSTEM_PROMPT
+from scd_store.cli.tables import one_line
 from scd_store.codecs.kv_state import KVState
 from scd_store.models import catalog
 from scd_store.models.prepare import ModelNotPrepared
@@ -115,15 +116,8 @@ def demo_store_config(config: DemoConfig) -> StoreConfig:
 
 def _agreement(a: list[int], b: list[int]) -> tuple[int, float]:
     """Tokens ``a`` shares with ``b`` before they first differ, and the position-wise match rate."""
-    common = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
     n = max(len(a), len(b))
-    return common, (sum(x == y for x, y in zip(a, b, strict=False)) / n if n else 1.0)
-
-
-def _short(text: str, width: int = 60) -> str:
-    """One line of at most ``width`` characters, with rich markup escaped (code has brackets)."""
-    text = " ".join(text.split())
-    return escape(text if len(text) <= width else text[:width - 1] + "…")
+    return common_prefix(a, b), (sum(x == y for x, y in zip(a, b, strict=False)) / n if n else 1.0)
 
 
 def serve_consumer(service: KVService, consumer: LoadedModel, prefix_ids: torch.Tensor, hashes: list[bytes],
@@ -160,13 +154,13 @@ def serve_consumer(service: KVService, consumer: LoadedModel, prefix_ids: torch.
     for r in rows:
         ratio = f"{r['fetched'] / 2**20:.2f} / {r['raw_bytes'] / 2**20:.2f} MiB" if r["raw_bytes"] else "miss"
         common, _ = r["agreement"]
-        table.add_row(_short(r["request"], 40), f"{r['own_ttft_ms']:.0f} ms", f"{r['scd_ttft_ms']:.0f} ms",
+        table.add_row(one_line(r["request"], 40), f"{r['own_ttft_ms']:.0f} ms", f"{r['scd_ttft_ms']:.0f} ms",
                       f"{r['own_ttft_ms'] / r['scd_ttft_ms']:.1f}x", ratio, f"{common} of {r['new_tokens']}")
     console.print(table)
     for r in rows:
-        console.print(f"[bold]{_short(r['request'], 40)}[/bold]  (position-wise agreement {r['agreement'][1]:.0%})")
-        console.print(f"  own prefill: {_short(r['oracle'], 150)}")
-        console.print(f"  from codes:  {_short(r['text'], 150)}")
+        console.print(f"[bold]{one_line(r['request'], 40)}[/bold]  (position-wise agreement {r['agreement'][1]:.0%})")
+        console.print(f"  own prefill: {one_line(r['oracle'], 150)}")
+        console.print(f"  from codes:  {one_line(r['text'], 150)}")
     return rows
 
 

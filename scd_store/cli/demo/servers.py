@@ -15,23 +15,13 @@ from rich.console import Console
 from rich.table import Table
 
 from scd_store.adapters.transformers import LoadedModel
+from scd_store.bench.metrics import common_prefix
 from scd_store.bench.serving import ROUTES, Deployment
 from scd_store.cli.demo.prompts import REQUESTS, SYSTEM_PROMPT
+from scd_store.cli.tables import one_line
 from scd_store.paths import data_dir
 
 LABELS = {"own": "own prefill", "scd": "scd codes", "raw": "raw KV reuse"}
-
-
-def agreement(a: list[int], b: list[int]) -> int:
-    """Tokens ``a`` shares with ``b`` before they first differ."""
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-
-
-def _one_line(text: str, width: int) -> str:
-    from rich.markup import escape
-
-    text = " ".join(text.split())
-    return escape(text if len(text) <= width else text[:width - 1] + "…")
 
 
 def serve_consumer(deployment: Deployment, consumer: LoadedModel, prefix: list[int], new_tokens: int,
@@ -45,7 +35,7 @@ def serve_consumer(deployment: Deployment, consumer: LoadedModel, prefix: list[i
                    for route, params in ROUTES.items()}
         own = answers["own"].token_ids
         rows.append({"request": text, "answers": answers, "bytes": deployment.hit_bytes(prompt),
-                     "same": {route: agreement(a.token_ids, own) for route, a in answers.items()},
+                     "same": {route: common_prefix(a.token_ids, own) for route, a in answers.items()},
                      "tokens": len(own)})
     table = Table(title=f"{consumer.name}: {len(prefix)}-token shared prefix, TTFT at the client")
     for column in ("request", "own prefill", "scd codes", "raw KV reuse", "same first tokens as own: codes / raw",
@@ -53,15 +43,15 @@ def serve_consumer(deployment: Deployment, consumer: LoadedModel, prefix: list[i
         table.add_column(column)
     for r in rows:
         a = r["answers"]
-        table.add_row(_one_line(r["request"], 36), f"{a['own'].ttft_s * 1e3:.0f} ms",
+        table.add_row(one_line(r["request"], 36), f"{a['own'].ttft_s * 1e3:.0f} ms",
                       f"{a['scd'].ttft_s * 1e3:.0f} ms", f"{a['raw'].ttft_s * 1e3:.0f} ms",
                       f"{r['same']['scd']} / {r['same']['raw']} of {r['tokens']}",
                       f"{r['bytes']['scd'] / 2**20:.2f} / {r['bytes']['raw'] / 2**20:.2f} MiB")
     console.print(table)
     for r in rows:
-        console.print(f"[bold]{_one_line(r['request'], 60)}[/bold]")
+        console.print(f"[bold]{one_line(r['request'], 60)}[/bold]")
         for route in ROUTES:
-            console.print(f"  {LABELS[route] + ':':14} {_one_line(r['answers'][route].text, 140)}")
+            console.print(f"  {LABELS[route] + ':':14} {one_line(r['answers'][route].text, 140)}")
     return rows
 
 
