@@ -27,7 +27,7 @@ from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
 from lmcache.v1.memory_management import MemoryFormat
 from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import LMCacheConnectorV1
 
-from scd_store.adapters.vllm.paged_layout import BlockMap, LayoutError, probe, read_tokens, write_tokens
+from scd_store.adapters.vllm.paged_layout import BlockMap, LayoutError, layer_maps, read_tokens, write_tokens
 
 _factory_lock = threading.Lock()
 
@@ -55,7 +55,7 @@ class VllmCpuPagedConnector(GPUConnectorInterface):
             if any(o is None for o in owners) or len(caches) != self.num_layers:
                 raise LayoutError(f"cannot match LMCache's {len(caches)} KV caches to vLLM's attention layers")
             self.kvcaches, self._owners = caches, owners
-            self._maps = [probe(owner, cache) for owner, cache in zip(owners, caches, strict=True)]
+            self._maps = layer_maps(owners, caches)
         assert self._owners is not None and self._maps is not None
         return caches, self._owners, self._maps
 

@@ -88,6 +88,20 @@ def probe(layer: Any, cache: torch.Tensor) -> BlockMap:
     return block_map
 
 
+def layer_maps(layers: list[Any], caches: list[torch.Tensor]) -> list[BlockMap]:
+    """Each layer's map, probed once per kind of layer: the op's backend, ISA and KV dtype, and the cache's
+    geometry and dtype decide where it puts an element, so layers alike in all of these share one map."""
+    probed: dict[tuple, BlockMap] = {}
+    maps = []
+    for layer, cache in zip(layers, caches, strict=True):
+        kind = (type(layer.impl), getattr(layer, "isa", None), getattr(layer.impl, "kv_cache_dtype", None),
+                tuple(cache.shape[1:]), cache.dtype, cache.device)
+        if kind not in probed:
+            probed[kind] = probe(layer, cache)
+        maps.append(probed[kind])
+    return maps
+
+
 def read_tokens(block_map: BlockMap, cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values ``[tokens, kv_heads, head_dim]`` (copies) of the tokens at ``slots``."""
     block = cache.shape[2]

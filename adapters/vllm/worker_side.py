@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from scd_store.adapters.vllm.paged_layout import BlockMap, LayoutError, probe, read_tokens, write_tokens
+from scd_store.adapters.vllm.paged_layout import BlockMap, LayoutError, layer_maps, read_tokens, write_tokens
 from scd_store.adapters.vllm.plan import ChunkLoad, ChunkSave, StepPlan
 from scd_store.codecs.kv_state import KVState
 from scd_store.service import KVService
@@ -64,7 +64,7 @@ class WorkerSide:
     def maps(self) -> list[BlockMap]:
         """Each layer's gather map (derived from the backend's op on first use)."""
         if self._maps is None:
-            self._maps = [probe(layer, cache) for layer, cache in zip(self.layers, self.caches, strict=True)]
+            self._maps = layer_maps(self.layers, self.caches)
         return self._maps
 
     # ------------------------------------------------------------ loads

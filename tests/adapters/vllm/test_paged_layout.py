@@ -63,3 +63,17 @@ def test_layouts_it_cannot_explain_are_refused():
     broken.real, broken.impl = broken.impl, Dropping()
     with pytest.raises(LayoutError):
         probe(broken, torch.zeros(2, HEADS, 32, 128, dtype=torch.bfloat16))
+
+
+def test_layers_alike_share_one_probed_map(monkeypatch):
+    import scd_store.adapters.vllm.paged_layout as paged_layout
+
+    probes = []
+    real = paged_layout.probe
+    monkeypatch.setattr(paged_layout, "probe", lambda layer, cache: probes.append(cache.dtype) or real(layer, cache))
+    layers = [cpu_layer(torch.bfloat16, 32, 64) for _ in range(3)] + [cpu_layer(torch.float32, 32, 64)]
+    caches = [torch.zeros(2, HEADS, 32, 128, dtype=torch.bfloat16) for _ in range(3)]
+    caches.append(torch.zeros(2, HEADS, 32, 128))
+    maps = paged_layout.layer_maps(layers, caches)
+    assert probes == [torch.bfloat16, torch.float32]
+    assert maps[0] is maps[1] is maps[2] and maps[3] is not maps[0]
