@@ -81,7 +81,8 @@ def run_serve(config: ServeConfig, progress: bool = True) -> dict[str, Any]:
 
     from scd_store.adapters.transformers import load_model
 
-    tokenizer = load_model(config.consumer).tokenizer
+    served = load_model(config.consumer)
+    tokenizer = served.tokenizer
     root = Path(config.root) if config.root else Path(tempfile.mkdtemp(prefix="scd-bench-serve-"))
     rows: list[dict[str, Any]] = []
     agreement: list[dict[str, Any]] = []
@@ -120,7 +121,8 @@ def run_serve(config: ServeConfig, progress: bool = True) -> dict[str, Any]:
             from scd_store.bench.serve_agreement import consumer_agreement
 
             for name in config.agreement_consumers:
-                agreement.append(consumer_agreement(deployment, load_model(name), config.agreement_windows, 512, 32,
+                agreement.append(consumer_agreement(deployment, served if name == served.name else load_model(name),
+                                                    config.agreement_windows, 512, 32,
                                                     config.new_tokens))
                 if progress:
                     print(f"agreement {name}: {agreement[-1]['against_own_answer']}; "

@@ -143,31 +143,28 @@ class VllmServer:
         self.stop()
 
     # ------------------------------------------------------------ client
-    def complete(self, model: str, prompt: list[int] | str, max_tokens: int = 16, *, logprobs: int | None = 1,
-                 prompt_logprobs: int | None = None, kv_params: dict | None = None, timeout: float = 600.0) -> dict:
-        """A greedy ``/v1/completions`` call (``kv_params``: its ``kv_transfer_params``); the response JSON."""
+    def _completion(self, model: str, prompt: list[int] | str, max_tokens: int, kv_params: dict | None,
+                    **extra: Any) -> urllib.request.Request:
+        """A greedy ``/v1/completions`` request (``kv_params``: its ``kv_transfer_params``)."""
         body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                                "return_token_ids": True}
+                                "return_token_ids": True, **{k: v for k, v in extra.items() if v is not None}}
         if kv_params:
             body["kv_transfer_params"] = kv_params
-        if logprobs is not None:
-            body["logprobs"] = logprobs
-        if prompt_logprobs is not None:
-            body["prompt_logprobs"] = prompt_logprobs
-        request = urllib.request.Request(self.url + "/v1/completions", json.dumps(body).encode(),
-                                         {"Content-Type": "application/json"})
+        return urllib.request.Request(self.url + "/v1/completions", json.dumps(body).encode(),
+                                      {"Content-Type": "application/json"})
+
+    def complete(self, model: str, prompt: list[int] | str, max_tokens: int = 16, *, logprobs: int | None = 1,
+                 prompt_logprobs: int | None = None, kv_params: dict | None = None, timeout: float = 600.0) -> dict:
+        """A greedy completion; the response JSON."""
+        request = self._completion(model, prompt, max_tokens, kv_params, logprobs=logprobs,
+                                   prompt_logprobs=prompt_logprobs)
         with urllib.request.urlopen(request, timeout=timeout) as r:
             return json.loads(r.read())
 
     def stream(self, model: str, prompt: list[int] | str, max_tokens: int = 16, *, kv_params: dict | None = None,
                timeout: float = 600.0) -> Streamed:
         """A streamed greedy completion, timed at this client (first token, and the whole answer)."""
-        body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                                "stream": True, "return_token_ids": True}
-        if kv_params:
-            body["kv_transfer_params"] = kv_params
-        request = urllib.request.Request(self.url + "/v1/completions", json.dumps(body).encode(),
-                                         {"Content-Type": "application/json"})
+        request = self._completion(model, prompt, max_tokens, kv_params, stream=True)
         started = time.perf_counter()
         first, text, tokens = None, [], []
         with urllib.request.urlopen(request, timeout=timeout) as r:
