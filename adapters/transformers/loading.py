@@ -1,4 +1,5 @@
-"""Load a catalog model or any local Hugging Face checkpoint directory (safetensors), offline."""
+"""Load a catalog model, any local Hugging Face checkpoint directory (safetensors), or a PEFT LoRA
+adapter merged onto its base, offline."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from scd_store.models.fingerprint import tensors_fingerprint
 from scd_store.models.prepare import MANIFEST, load_local, model_dir, read_manifest
+from scd_store.models.sources import ModelSource
 
 
 @dataclass(slots=True)
@@ -33,9 +35,20 @@ class LoadedModel:
         return self.model.config.num_hidden_layers
 
 
-def load_model(name_or_path: str, device: str | torch.device = "cpu",
+def load_model(name_or_path: str | ModelSource, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load by catalog name (prepared under the data dir) or by checkpoint directory path."""
+    """Load by catalog name (prepared under the data dir), checkpoint directory path or :class:`ModelSource`
+    (a PEFT adapter is merged into its base's weights with PEFT's own ``merge_and_unload``)."""
+    if isinstance(name_or_path, ModelSource):
+        source = name_or_path
+        model, tokenizer = load_local(source.path, dtype=dtype)
+        if source.adapter is not None:
+            model = merge_peft_adapter(model, source.adapter)
+        elif (source.path / MANIFEST).exists() and source.name == read_manifest(source.path)["name"]:
+            model.to(device)
+            return LoadedModel(source.name, model, tokenizer, read_manifest(source.path)["weights_fingerprint"])
+        model.to(device)
+        return LoadedModel(source.name, model, tokenizer, tensors_fingerprint(model.state_dict()))
     path = Path(model_dir(name_or_path))
     model, tokenizer = load_local(path, dtype=dtype)
     model.to(device)
@@ -43,3 +56,12 @@ def load_model(name_or_path: str, device: str | torch.device = "cpu",
         manifest = read_manifest(path)
         return LoadedModel(manifest["name"], model, tokenizer, manifest["weights_fingerprint"])
     return LoadedModel(path.name, model, tokenizer, tensors_fingerprint(model.state_dict()))
+
+
+def merge_peft_adapter(model: torch.nn.Module, adapter: Path) -> torch.nn.Module:
+    """``model`` with the PEFT LoRA adapter at ``adapter`` merged into its weights (safetensors only)."""
+    from peft import PeftModel
+
+    merged = PeftModel.from_pretrained(model, str(adapter), use_safetensors=True).merge_and_unload()
+    merged.eval()
+    return merged

@@ -23,7 +23,9 @@ from scd_store.codecs import make_codec
 from scd_store.codecs.scd.bundle import load_pair, load_space
 from scd_store.codecs.scd.codec import ScdCodec
 from scd_store.models import catalog
-from scd_store.models.windows import eval_windows
+from scd_store.models.sources import ModelSource, resolve
+from scd_store.models.user_text import UserText
+from scd_store.models.windows import Corpus, corpus_name, eval_windows
 
 BASELINE_METHODS = ("oracle", "none", "raw", "int8", "int4", "droidspeak")
 SCD_METHOD = "scd"
@@ -34,8 +36,10 @@ DROIDSPEAK = "droidspeak"
 class QualityConfig:
     """What ``bench quality`` measures; ``quick()`` is the short variant used by demos and CI."""
 
-    consumer: str
+    consumer: str  # a catalog name, checkpoint directory, PEFT adapter directory or NAME=PATH
     producer: str = catalog.PRODUCER
+    text: tuple[str, ...] = ()  # held-out evaluation text (files / folders); default: the catalog corpus's eval split
+    calib_text: tuple[str, ...] = ()  # text the droidspeak baseline picks its layers on (with ``text``)
     windows: int = 20
     prefix_tokens: int = 448
     continuation_tokens: int = 64
@@ -61,6 +65,14 @@ class QualityConfig:
         if min(self.droidspeak_layers, self.selection_windows, self.selection_stride) <= 0:
             raise ValueError("droidspeak_layers, selection_windows and selection_stride must be positive")
 
+    def corpora(self, consumer: ModelSource) -> tuple[Corpus, Corpus | None]:
+        """The evaluation text and the text droidspeak selects its layers on (None: no such text)."""
+        if self.text:
+            return UserText(self.text), UserText(self.calib_text) if self.calib_text else None
+        if not consumer.in_catalog:
+            raise ValueError(f"consumer {consumer.name} is not in the catalog: give held-out text (--text PATH)")
+        return catalog.consumer(consumer.name).corpus, catalog.consumer(consumer.name).corpus
+
     def scd_method_names(self) -> list[str]:
         """``scd`` for a single bundle, else ``scd:<bundle directory name>`` per bundle."""
         if len(self.bundles) == 1:
@@ -80,7 +92,9 @@ class QualityReport:
     continuation_tokens: int
     windows: int
     seed: int
+    text: str = ""
     methods: list[dict] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)  # method -> why it was not measured
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -89,27 +103,34 @@ class QualityReport:
 def run_quality(config: QualityConfig, progress: bool = True) -> QualityReport:
     """Run the benchmark; deterministic for a given config."""
     torch.manual_seed(config.seed)
-    spec = catalog.consumer(config.consumer)
-    producer = load_model(config.producer, device=config.device)
-    consumer = load_model(config.consumer, device=config.device)
+    producer_source = resolve(config.producer)
+    consumer_source = resolve(config.consumer, base=producer_source)
+    corpus, calib_corpus = config.corpora(consumer_source)
+    skipped = {}
+    base_methods = list(config.methods)
+    if DROIDSPEAK in base_methods and calib_corpus is None:
+        base_methods.remove(DROIDSPEAK)
+        skipped[DROIDSPEAK] = "no --calib-text to choose its layers on (never the evaluation text)"
+    producer = load_model(producer_source, device=config.device)
+    consumer = load_model(consumer_source, device=config.device)
     length = config.prefix_tokens + config.continuation_tokens + 1
-    windows = eval_windows(consumer.tokenizer, spec.corpus, config.windows, length, config.seed)
-    methods = [*config.methods, *config.scd_method_names()]
+    windows = eval_windows(consumer.tokenizer, corpus, config.windows, length, config.seed)
+    methods = [*base_methods, *config.scd_method_names()]
     scores = {name: ContinuationScore() for name in methods}
-    codecs = {name: make_codec(name) for name in config.methods if name not in ("oracle", "none", DROIDSPEAK)}
+    codecs = {name: make_codec(name) for name in base_methods if name not in ("oracle", "none", DROIDSPEAK)}
     for name, bundle in zip(config.scd_method_names(), config.bundles, strict=True):
         codecs[name] = load_scd_codec(Path(bundle), producer, consumer)
     residual_layers: list[int] = []
     hidden_layers = sorted({layer for name in config.scd_method_names() for layer in codecs[name].space.patch_layers})
-    if DROIDSPEAK in config.methods:
-        calib = eval_windows(consumer.tokenizer, spec.corpus, config.selection_windows, length - 1, config.seed,
+    if DROIDSPEAK in base_methods:
+        calib = eval_windows(consumer.tokenizer, calib_corpus, config.selection_windows, length - 1, config.seed,
                              split="calib")
         group, _ = select_group(producer.model, consumer.model, calib, config.prefix_tokens,
                                 config.droidspeak_layers, stride=config.selection_stride)
         codecs[DROIDSPEAK] = DroidSpeakCodec(consumer.model, group)
         residual_layers = [group.start]
     p = config.prefix_tokens
-    for window in tqdm(windows, desc=f"quality {config.consumer}", unit="window", disable=not progress):
+    for window in tqdm(windows, desc=f"quality {consumer.name}", unit="window", disable=not progress):
         prefix, feed, targets = window[:p], window[p:-1], window[p + 1 :]
         own_state, _ = prefill_capture(consumer.model, prefix)
         oracle_logits = continue_with_prefix(consumer.model, own_state, feed)
@@ -129,7 +150,8 @@ def run_quality(config: QualityConfig, progress: bool = True) -> QualityReport:
             scores[name].prefix_tokens += p
     fp16_per_token = 2 * 2 * producer_state.num_layers * producer_state.num_kv_heads * producer_state.head_dim
     oracle_ppl = scores["oracle"].ppl
-    report = QualityReport(config.producer, config.consumer, p, config.continuation_tokens, len(windows), config.seed)
+    report = QualityReport(producer.name, consumer.name, p, config.continuation_tokens, len(windows), config.seed,
+                           corpus_name(corpus), skipped=skipped)
     bundle_of = dict(zip(config.scd_method_names(), config.bundles, strict=True))
     for name in methods:
         s = scores[name]

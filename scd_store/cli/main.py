@@ -46,7 +46,8 @@ def _bench_quality(args: argparse.Namespace) -> int:
 
     methods = {} if args.methods is None else {"methods": tuple(["oracle", *(m for m in args.methods.split(",")
                                                                               if m and m != "oracle")])}
-    config = QualityConfig(args.consumer, windows=args.windows, seed=args.seed, device=args.device,
+    config = QualityConfig(args.consumer, producer=args.producer, text=tuple(args.text),
+                           calib_text=tuple(args.calib_text), windows=args.windows, seed=args.seed, device=args.device,
                            prefix_tokens=args.prefix_tokens, continuation_tokens=args.continuation_tokens,
                            bundles=tuple(str(b) for b in args.bundle),
                            droidspeak_layers=args.droidspeak_layers, **methods)
@@ -70,6 +71,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from scd_store.adapters.transformers.calibration import CalibrationConfig, calibrate
+    from scd_store.models.user_text import UserText
 
     base = CalibrationConfig()
     if args.prefix_tokens:
@@ -79,8 +81,19 @@ def _calibrate(args: argparse.Namespace) -> int:
     print(json.dumps(calibrate(args.producer, args.consumer, args.out, budget=args.budget or [base.budget],
                                steps=args.steps, windows=args.windows, reuse_space=args.reuse_space,
                                patch_layers=args.patch_layers or [0], patch_source=args.patch_source,
-                               base_config=base, patch_at=tuple(args.patch_at)), indent=2))
+                               base_config=base, patch_at=tuple(args.patch_at),
+                               text=UserText(tuple(args.text)) if args.text else None,
+                               device=resolve_device(args.device)), indent=2))
     return 0
+
+
+def resolve_device(device: str) -> str:
+    """``auto``: CUDA when present, else the CPU."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _bench_decode(args: argparse.Namespace) -> int:
@@ -228,7 +241,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks (JSON output)").add_subparsers(dest="bench", required=True)
     quality = bench.add_parser("quality", help="consumer continuation quality per method, against the oracle")
-    quality.add_argument("--consumer", required=True)
+    quality.add_argument("--consumer", required=True,
+                         help="catalog name, checkpoint dir, PEFT adapter dir or NAME=PATH")
+    quality.add_argument("--producer", default="smollm2-135m-instruct", help="catalog name or checkpoint dir")
+    quality.add_argument("--text", action="append", default=[], metavar="PATH",
+                         help="held-out evaluation text: .txt/.md/.jsonl files or folders (repeat; default: the "
+                              "catalog consumer's eval split). Never text the bundle was calibrated on")
+    quality.add_argument("--calib-text", action="append", default=[], metavar="PATH",
+                         help="with --text: text the droidspeak baseline picks its layers on (else it is skipped)")
     quality.add_argument("--windows", type=int, default=20)
     quality.add_argument("--prefix-tokens", type=int, default=448)
     quality.add_argument("--continuation-tokens", type=int, default=64)
@@ -305,15 +325,21 @@ def build_parser() -> argparse.ArgumentParser:
     engine_put.set_defaults(func=_bench_engine_put)
 
     cal = sub.add_parser("calibrate", help="fit a code space and distil consumer decoders into a bundle")
-    cal.add_argument("--producer", default="smollm2-135m-instruct")
-    cal.add_argument("--consumer", action="append", required=True, help="repeat for a shared code space")
+    cal.add_argument("--producer", default="smollm2-135m-instruct", help="catalog name or checkpoint dir")
+    cal.add_argument("--consumer", action="append", required=True,
+                     help="catalog name, checkpoint dir, PEFT LoRA adapter dir (on the producer) or NAME=PATH; "
+                          "repeat for a shared code space")
+    cal.add_argument("--text", action="append", default=[], metavar="PATH",
+                     help="calibration text: .txt/.md files, folders of them, JSONL with 'text' or chat 'messages' "
+                          "(repeat; default: each catalog consumer's own corpus)")
+    cal.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
     cal.add_argument("--out", type=Path, required=True, help="bundle directory")
     cal.add_argument("--budget", type=float, action="append",
                      help="coded bits per dimension against fp16 (default 0.24: payload <= 25%% of fp16 KV); "
                           "repeat for a sweep")
     cal.add_argument("--steps", type=int, default=None,
-                     help="distillation steps per consumer (default: as many as fit a pair's calibration into 9 "
-                          "minutes, measured on the first steps: 100..1000 in hundreds)")
+                     help="distillation steps per consumer (default 900, on every machine; the time it will take is "
+                          "estimated and printed before it starts)")
     cal.add_argument("--windows", type=int, default=None, help="distillation windows per consumer")
     cal.add_argument("--prefix-tokens", type=int, default=None,
                      help="prefix length of calibration windows (default 448; --continuation-tokens follow)")

@@ -19,7 +19,8 @@ def one_line(text: str, width: int = 60) -> str:
 
 def print_quality(report: QualityReport) -> None:
     table = Table(title=f"{report.consumer} on {report.windows} held-out windows "
-                        f"({report.prefix_tokens} prefix + {report.continuation_tokens} scored tokens)")
+                        f"({report.prefix_tokens} prefix + {report.continuation_tokens} scored tokens"
+                        + (f", {report.text}" if report.text else "") + ")")
     for column in ("method", "ppl", "ppl_rel", "kl (nats)", "top1", "bytes/token", "payload vs fp16"):
         table.add_column(column, justify="left" if column == "method" else "right")
     for m in report.methods:
@@ -31,3 +32,5 @@ def print_quality(report: QualityReport) -> None:
         table.add_row(name, f"{m['ppl']:.3f}", f"{m['ppl_rel']:+.2%}", f"{m['kl']:.4f}", f"{m['top1']:.3f}",
                       f"{m['bytes_per_token']:.0f}", f"{m['payload_ratio']:.1%}")
     console.print(table)
+    for method, why in report.skipped.items():
+        console.print(f"{method}: not measured ({why})")

@@ -17,41 +17,40 @@ from tqdm import tqdm
 
 from scd_store.adapters.transformers.calibration.config import CalibrationConfig
 from scd_store.adapters.transformers.calibration.feature_cache import cache_from_features
-from scd_store.adapters.transformers.calibration.planning import PROBE_STEPS, planned_steps
 from scd_store.adapters.transformers.calibration.teacher import TeacherData, collect_teacher, through_space
 from scd_store.adapters.transformers.compat import cache_kwarg
 from scd_store.adapters.transformers.loading import LoadedModel
 from scd_store.codecs.scd.decoder import PairDecoder
 from scd_store.codecs.scd.patch import PatchAligner, apply_patches
 from scd_store.codecs.scd.space import CodeSpace
+from scd_store.models.windows import Corpus
 
 
-def distil_decoder(producer: LoadedModel, consumer: LoadedModel, space: CodeSpace, corpus: str,
+def distil_decoder(producer: LoadedModel, consumer: LoadedModel, space: CodeSpace, corpus: Corpus,
                    config: CalibrationConfig, progress: bool = True, patch_layers: tuple[int, ...] = (),
-                   teacher: TeacherData | None = None, time_limit_s: float | None = None) -> tuple[PairDecoder, dict]:
+                   teacher: TeacherData | None = None) -> tuple[PairDecoder, dict]:
     """Train ``consumer``'s decoder for ``space`` end to end; returns it with training stats.
 
     A PATCH space's patch layers always get "hidden" aligners; ``patch_layers`` adds "kv" aligners
     (payload-free) at those layers of a REUSE space. ``teacher`` (from :func:`collect_teacher`)
-    is reused when given, so a sweep runs the models over the windows once. With
-    ``config.distill_steps=None`` the step count fits ``time_limit_s`` seconds from this call's start
-    (default: the config's ``time_budget_s``; see :func:`planned_steps`)."""
+    is reused when given, so a sweep runs the models over the windows once. Runs ``config.distill_steps``
+    steps on the consumer's device (the teacher data stays on the host; each batch is moved)."""
     recipe = config.recipe
     start_time = time.perf_counter()
-    if time_limit_s is None:
-        time_limit_s = config.time_budget_s
     if teacher is None:
         teacher = collect_teacher(producer, consumer, corpus, config, space.patch_layers, progress)
     data = through_space(space, teacher, recipe.sink_tokens)
     collect_seconds = time.perf_counter() - start_time
     g, c = space.layout.groups, space.layout.width
-    weight = torch.zeros(g, c, c, requires_grad=True)
-    bias = data.mean_shift.clone().requires_grad_(True)
+    device = consumer.device
+    weight = torch.zeros(g, c, c, device=device, requires_grad=True)
+    bias = data.mean_shift.to(device).requires_grad_(True)
     layers = consumer.model.model.layers
     patches = [PatchAligner.initial(layer, "hidden", layers[layer].self_attn, recipe.patch_units, config.seed)
                for layer in space.patch_layers]
     patches += [PatchAligner.initial(layer, "kv", layers[layer].self_attn, recipe.patch_units, config.seed)
                 for layer in patch_layers if layer not in space.patch_layers]
+    patches = [patch.to(device) for patch in patches]
     patch_params = [t.requires_grad_(True) for patch in patches for t in patch.trainable()]
     groups = [{"params": [weight], "lr": recipe.lr_weight}, {"params": [bias], "lr": recipe.lr_bias}]
     if patch_params:
@@ -65,33 +64,28 @@ def distil_decoder(producer: LoadedModel, consumer: LoadedModel, space: CodeSpac
     n = data.xhat.shape[0]
     prefix = data.xhat.shape[1] + recipe.sink_tokens  # the teacher's prefix length
     first_cut = data.first_cut
-    total = config.distill_steps if config.distill_steps is not None else recipe.max_steps
+    total = config.distill_steps
     bar = tqdm(total=total, desc=f"distil {consumer.name}: train", unit="step", disable=not progress)
-    step, train_start = 0, time.perf_counter()
+    step = 0
     while step < total:
-        if config.distill_steps is None and step == min(PROBE_STEPS, total):
-            now = time.perf_counter()
-            total = planned_steps(config, step, (now - train_start) / step, start_time + time_limit_s - now)
-            bar.total = total
-            bar.refresh()
         idx = torch.randint(0, n, (recipe.batch_size,), generator=generator)
         cut = prefix
         if first_cut < prefix:
             cut = int(torch.randint(first_cut, prefix + 1, (1,), generator=generator))
         coded = cut - recipe.sink_tokens
-        xhat = data.xhat[idx, :coded].float()
+        xhat = data.xhat[idx, :coded].to(device).float()
         y = xhat + torch.einsum("btgc,gcd->btgd", xhat, weight) + bias
-        hidden = data.hidden[idx, :coded].float() if data.hidden is not None else None
+        hidden = data.hidden[idx, :coded].to(device).float() if data.hidden is not None else None
         if patches:
             per_group = list(y.unbind(2))
             apply_patches(per_group, patches, hidden, space.patch_layers)
             y = torch.stack(per_group, dim=2)
-        cache = cache_from_features(consumer.model, y, data.sink_keys[idx], data.sink_values[idx], space.layout,
-                                    recipe.sink_tokens)
-        feed = data.tokens[idx, cut:cut + config.continuation_tokens]
+        cache = cache_from_features(consumer.model, y, data.sink_keys[idx].to(device),
+                                    data.sink_values[idx].to(device), space.layout, recipe.sink_tokens)
+        feed = data.tokens[idx, cut:cut + config.continuation_tokens].to(device)
         logits = consumer.model(input_ids=feed, **{cache_kwarg(consumer.model): cache}, use_cache=True).logits
         rows = slice(cut - first_cut, cut - first_cut + config.continuation_tokens)
-        target = F.log_softmax(data.teacher[idx, rows].float(), -1)
+        target = F.log_softmax(data.teacher[idx, rows].to(device).float(), -1)
         student = F.log_softmax(logits, -1)
         kl = F.kl_div(student, target, log_target=True, reduction="none").sum(-1).mean()
         optimizer.zero_grad(set_to_none=True)
@@ -109,12 +103,13 @@ def distil_decoder(producer: LoadedModel, consumer: LoadedModel, space: CodeSpac
     for patch in patches:
         for t in patch.trainable():
             t.requires_grad_(False)
-    decoder = PairDecoder(consumer.name, space.fingerprint, weight.detach().clone(), bias.detach().clone(),
+    patches = [patch.to("cpu") for patch in patches]
+    decoder = PairDecoder(consumer.name, space.fingerprint, weight.detach().cpu().clone(), bias.detach().cpu().clone(),
                           consumer.fingerprint, patches)
     stats = {
         "windows": n,
         "steps": total,
-        "steps_from": "fixed" if config.distill_steps is not None else f"time budget {time_limit_s:.0f} s",
+        "device": str(device),
         "shortest_prefix": recipe.shortest_prefix,
         "collect_seconds": round(collect_seconds, 1),
         "train_seconds": round(time.perf_counter() - start_time - collect_seconds, 1),

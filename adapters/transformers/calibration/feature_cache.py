@@ -15,7 +15,8 @@ def cache_from_features(model, features: torch.Tensor, sink_k: torch.Tensor, sin
     ``start..`` behind raw sink KV ``[B, L, H, sinks, D]``."""
     b, t = features.shape[:2]
     f = features.view(b, t, layout.num_layers, 2, layout.kv_heads, layout.head_dim)
-    cos, sin = rope_cos_sin(torch.arange(start, start + t), layout.head_dim, layout.rope_theta)
+    cos, sin = rope_cos_sin(torch.arange(start, start + t, device=features.device), layout.head_dim,
+                            layout.rope_theta)
     cache = DynamicCache(config=model.config)
     # unbind, not per-layer indexing: the backward of one unbind is one stack, while each indexing
     # op's backward would fill a zero tensor the size of all the features (2 x layers of them)

@@ -20,6 +20,7 @@ from scd_store.adapters.transformers.layout import layout_of
 from scd_store.adapters.transformers.loading import LoadedModel
 from scd_store.codecs.scd.layout import KVLayout, to_features
 from scd_store.codecs.scd.space import CodeSpace
+from scd_store.models.windows import Corpus
 
 
 @dataclass(slots=True)
@@ -49,7 +50,7 @@ class SpaceStatistics:
 
 
 @torch.no_grad()
-def space_statistics(producer: LoadedModel, corpora: list[str], config: CalibrationConfig,
+def space_statistics(producer: LoadedModel, corpora: list[Corpus], config: CalibrationConfig,
                      hidden_layers: tuple[int, ...] = (), progress: bool = True) -> SpaceStatistics:
     """Moments of the producer's pre-RoPE K / V features (sink tokens excluded) and of ``H_in`` at
     ``hidden_layers`` over calibration windows of ``corpora``."""
@@ -66,12 +67,12 @@ def space_statistics(producer: LoadedModel, corpora: list[str], config: Calibrat
         producer.tokenizer, corpus, config.basis_windows, config.prefix_tokens, config.seed, config.recipe.splits)]
     for window in tqdm(windows, desc="code space: producer KV", unit="window", disable=not progress):
         state, _ = prefill_capture(producer.model, window, hidden_layers=hidden_layers, last_logits_only=True)
-        x = to_features(state, layout)[sinks:].double().transpose(0, 1)  # [G, T, C]
+        x = to_features(state, layout)[sinks:].double().cpu().transpose(0, 1)  # [G, T, C]
         total += x.sum(1)
         outer += x.transpose(1, 2) @ x
         count += x.shape[1]
         if hidden_layers:
-            h = torch.stack([state.hidden[layer][sinks:] for layer in hidden_layers]).double()
+            h = torch.stack([state.hidden[layer][sinks:] for layer in hidden_layers]).double().cpu()
             h_total += h.sum(1)
             h_outer += h.transpose(1, 2) @ h
     mean = total / count
@@ -82,7 +83,7 @@ def space_statistics(producer: LoadedModel, corpora: list[str], config: Calibrat
     return SpaceStatistics(layout, mean, cov, hidden, producer.fingerprint)
 
 
-def fit_space(producer: LoadedModel, corpora: list[str], config: CalibrationConfig, space_id: str,
+def fit_space(producer: LoadedModel, corpora: list[Corpus], config: CalibrationConfig, space_id: str,
               progress: bool = True, patch_layers: tuple[int, ...] = ()) -> CodeSpace:
     """PCA basis and bit allocation from the producer's KV on calibration windows of ``corpora``; with
     ``patch_layers`` (and ``patch_source="hidden"``) also the basis of ``H_in`` at those layers."""

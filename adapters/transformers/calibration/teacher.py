@@ -21,6 +21,7 @@ from scd_store.adapters.transformers.loading import LoadedModel
 from scd_store.codecs.kv_state import KVState
 from scd_store.codecs.scd.layout import to_features
 from scd_store.codecs.scd.space import CodeSpace
+from scd_store.models.windows import Corpus
 
 
 @dataclass(slots=True)
@@ -61,7 +62,7 @@ class SpaceData:
 
 
 @torch.no_grad()
-def collect_teacher(producer: LoadedModel, consumer: LoadedModel, corpus: str, config: CalibrationConfig,
+def collect_teacher(producer: LoadedModel, consumer: LoadedModel, corpus: Corpus, config: CalibrationConfig,
                     hidden_layers: tuple[int, ...] = (), progress: bool = True) -> TeacherData:
     """Run both models over the distillation windows once (shared by every space of a sweep)."""
     p, s = config.prefix_tokens, config.recipe.sink_tokens
@@ -76,13 +77,13 @@ def collect_teacher(producer: LoadedModel, consumer: LoadedModel, corpus: str, c
         produced, _ = prefill_capture(producer.model, window[:p], hidden_layers=hidden_layers, last_logits_only=True)
         own, logits = prefill_capture(consumer.model, window, logits_to_keep=length - config.first_cut)
         own_prefix = KVState(own.keys[:, :, s:p], own.values[:, :, s:p], start=s)
-        own_total += to_features(own_prefix, layout).double().mean(0)
-        keys.append(produced.keys.half())
-        values.append(produced.values.half())
+        own_total += to_features(own_prefix, layout).double().mean(0).cpu()
+        keys.append(produced.keys.half().cpu())
+        values.append(produced.values.half().cpu())
         for layer in hidden_layers:
-            hidden[layer].append(produced.hidden[layer].half())
+            hidden[layer].append(produced.hidden[layer].half().cpu())
         tokens.append(window)
-        teachers.append(logits.half())  # positions first_cut .. length - 1
+        teachers.append(logits.half().cpu())  # positions first_cut .. length - 1
     return TeacherData(torch.stack(keys), torch.stack(values), {k: torch.stack(v) for k, v in hidden.items()},
                        torch.stack(tokens), torch.stack(teachers), own_total / len(windows))
 

@@ -28,22 +28,13 @@ def test_distillation_cuts_start_past_the_sinks_and_end_at_the_whole_prefix():
     assert CalibrationConfig(prefix_tokens=8, recipe=Recipe(sink_tokens=4, shortest_prefix=0.1)).first_cut == 5
 
 
-def test_time_budgeted_step_counts_round_down_within_their_bounds():
-    from scd_store.adapters.transformers.calibration.planning import planned_steps
-
+def test_the_step_count_is_fixed_whatever_the_machine():
     config = CalibrationConfig()
-    assert config.distill_steps is None and (config.recipe.min_steps, config.recipe.max_steps) == (100, 1000)
-    assert planned_steps(config, 20, 0.4, 400.0) == 1000  # 20 + 1,000 fit: capped
-    assert planned_steps(config, 20, 0.5, 300.0) == 600  # 620 fit
-    assert planned_steps(config, 20, 1.2, 300.0) == 200  # 270 fit
-    assert planned_steps(config, 20, 1.5, 100.0) == 100  # 86 fit: never fewer than min_steps
-    assert planned_steps(config, 20, 1.0, -5.0) == 100  # already past the budget
+    assert config.distill_steps == 900 and not hasattr(config, "time_budget_s")
     with pytest.raises(ValueError, match="distill_steps"):
         CalibrationConfig(distill_steps=-1)
-    with pytest.raises(ValueError, match="min_steps"):
-        Recipe(min_steps=500, max_steps=400)
-    with pytest.raises(ValueError, match="time_budget_s"):
-        CalibrationConfig(time_budget_s=0)
+    with pytest.raises(ValueError, match="distill_steps"):
+        CalibrationConfig(distill_steps=None)
 
 
 def test_calibration_windows_never_read_the_eval_split():
