@@ -101,10 +101,7 @@ class ScdHiCacheStorage(HiCacheStorage):
         if layout not in LAYOUTS:
             raise SettingsError(f"host pool layout {layout!r} is not supported (supported: {LAYOUTS})")
         if self.binding is not None:
-            got = (mem_pool_host.layer_num, mem_pool_host.head_num, mem_pool_host.head_dim)
-            if got != self.binding.space.layout.geometry:
-                raise SettingsError(f"host pool (layers, heads, head_dim) {got} does not match space "
-                                    f"{self.binding.space.space_id!r}: {self.binding.space.layout.geometry}")
+            self._check_geometry(mem_pool_host, self.binding)
             try:
                 self.service.check_hashing(self.model, sglang_canary(mem_pool_host.page_size))
             except SettingsError as exc:
@@ -112,8 +109,26 @@ class ScdHiCacheStorage(HiCacheStorage):
                 raise
         self.mem_pool_host = mem_pool_host
 
+    @staticmethod
+    def _check_geometry(mem_pool_host: Any, binding: Any) -> None:
+        got = (mem_pool_host.layer_num, mem_pool_host.head_num, mem_pool_host.head_dim)
+        if got != binding.space.layout.geometry:
+            raise SettingsError(f"host pool (layers, heads, head_dim) {got} does not match space "
+                                f"{binding.space.space_id!r}: {binding.space.layout.geometry}")
+
     def _role(self) -> str:
-        return self.binding.role if self.binding is not None else ""
+        if self.binding is None:  # registered after start (scd-store register): bound by discovery
+            binding = self.service.binding(self.model)
+            if binding is None:
+                return ""
+            if self.mem_pool_host is not None:
+                try:
+                    self._check_geometry(self.mem_pool_host, binding)
+                except SettingsError as exc:
+                    self._once.warn("late-geometry", "scd-store SGLang backend: %s; not serving it", exc)
+                    return ""
+            self.binding = binding
+        return self.binding.role
 
     def _first_position(self, extra_info: HiCacheStorageExtraInfo | None, pages: int) -> int | None:
         if extra_info is not None and extra_info.prefix_keys is not None:

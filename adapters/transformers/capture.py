@@ -49,7 +49,7 @@ def prefill_capture(model: torch.nn.Module, input_ids: torch.Tensor, hidden_laye
         def pre_hook(_module, args, kwargs, i=i):
             residual[i] = (args[0] if args else kwargs["hidden_states"])[0].detach()
         handles.append(layers[i].register_forward_pre_hook(pre_hook, with_kwargs=True))
-    cache = DynamicCache(config=model.config)
+    cache = DynamicCache()  # full KV in every layer (sliding-window layers too; their masks still slide)
     device = next(model.parameters()).device
     try:
         keep = 1 if last_logits_only else logits_to_keep

@@ -56,7 +56,7 @@ def recompute_group(model: nn.Module, residual: torch.Tensor, group: LayerGroup,
     if group.stop > len(layers):
         raise ValueError(f"layer group [{group.start}, {group.stop}) exceeds the model's {len(layers)} layers")
     param = next(model.parameters())
-    cache = DynamicCache(config=model.config)
+    cache = DynamicCache()  # full KV in every layer (sliding-window layers too; their masks still slide)
     positions = torch.arange(start, start + residual.shape[0], device=param.device)[None]
     inner.layers = nn.ModuleList(list(layers)[group.start:group.stop])
     try:

@@ -39,7 +39,7 @@ class PrefixBuffer:
 
 def build_cache(model: torch.nn.Module, state: KVState | None) -> DynamicCache:
     """A transformers cache holding ``state`` (empty when ``state`` is None), on the model's device and dtype."""
-    cache = DynamicCache(config=model.config)
+    cache = DynamicCache()  # full KV in every layer (sliding-window layers too; their masks still slide)
     if state is None:
         return cache
     config = model.config

@@ -92,8 +92,8 @@ def load_space(bundle: Path, producer_fingerprint: str | None = None) -> CodeSpa
         if manifest.get("patch_layers"):
             hidden = HiddenCode(tuple(manifest["patch_layers"]), tensors["hidden_mean"], tensors["hidden_basis"],
                                 tensors["hidden_sigma"], tensors["hidden_bits"])
-        space = CodeSpace(manifest["space_id"], KVLayout(**manifest["layout"]), tensors["mean"], tensors["basis"],
-                          tensors["sigma"], tensors["bits"], int(manifest["sink_tokens"]),
+        space = CodeSpace(manifest["space_id"], KVLayout.from_dict(manifest["layout"]), tensors["mean"],
+                          tensors["basis"], tensors["sigma"], tensors["bits"], int(manifest["sink_tokens"]),
                           manifest["producer_fingerprint"], hidden)
     except (KeyError, OSError, TypeError, ValueError) as exc:
         raise BundleError(f"{bundle}: cannot load the code space: {exc}") from None

@@ -16,7 +16,7 @@ from scd_store.codecs.scd.layout import write_token_major
 from scd_store.codecs.scd.patch import aligned_kv
 from scd_store.codecs.scd.rope import RopeTable
 from scd_store.codecs.scd.space import CODEC_ID, CodeSpace, SpaceCodes
-from scd_store.codecs.tensor_pack import unpack
+from scd_store.codecs.tensor_pack import PayloadError, unpack
 
 log = logging.getLogger(__name__)
 
@@ -67,11 +67,12 @@ class ScdCodec(Codec):
         self.space = space
         self.decoder = decoder
         self.matmul = matmul
-        self._rope = RopeTable(space.layout.head_dim, space.layout.rope_theta)
+        self._rope = RopeTable(space.layout.head_dim, space.layout.rope_theta, space.layout.rope)
         self._matrices: dict[tuple, tuple[torch.Tensor, ...]] = {}  # folded (and centred) matrices per device
         self._patches: dict[str, dict] = {}
         # REUSE decodes on CUDA are launch-bound at serving lengths: replay them as CUDA graphs
-        reuse_only = decoder is not None and not decoder.patches and space.hidden is None
+        reuse_only = decoder is not None and not decoder.patches and space.hidden is None \
+            and not space.layout.per_layer_rope  # the kernel and the graphs take one RoPE table
         # opt-in until measured on a GPU: checked against the PyTorch path under Triton's interpreter only
         self.fused_kernel = fused_kernel and reuse_only
         self.graphs = DecodeGraphs(self) if cuda_graphs and reuse_only and torch.cuda.is_available() else None
@@ -177,6 +178,10 @@ class ScdCodec(Codec):
         coded = codes.num_tokens - sinks
         if not coded:
             return KVState(keys, values, start=codes.start)
+        try:
+            layout.check_positions(codes.start, codes.num_tokens)
+        except ValueError as exc:
+            raise PayloadError(str(exc)) from None
         matrix, offset = self._folded(device, torch.float32)
         active = matrix.shape[1]
         rows = codes.sorted_row.view(layout.groups, layout.width)[:, :active]  # 0-bit components: the zero row
@@ -227,6 +232,9 @@ class ScdCodec(Codec):
                 for layer in patched.intersection(range(first, last)):
                     pair = 2 * (layer - first)
                     self._patched(layer, f[pair:pair + 2], None if hidden is None else hidden[lo:hi], device)
-                write_token_major(f, layout, cos[lo:hi], sin[lo:hi], step_keys[:, :, lo:hi], step_values[:, :, lo:hi],
+                step_cos, step_sin = cos[..., lo:hi, :], sin[..., lo:hi, :]
+                if layout.per_layer_rope:
+                    step_cos, step_sin = step_cos[first:last], step_sin[first:last]
+                write_token_major(f, layout, step_cos, step_sin, step_keys[:, :, lo:hi], step_values[:, :, lo:hi],
                                   scratch)
         return KVState(keys, values, start=codes.start)

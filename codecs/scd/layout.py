@@ -7,28 +7,69 @@ concatenated: ``C = kv_heads * head_dim`` numbers. Groups are ``2 * layers``: gr
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
 from scd_store.codecs.kv_state import KVState
-from scd_store.codecs.scd.rope import apply_rope, invert_rope, rope_cos_sin, rotate_into
+from scd_store.codecs.scd.rope import RopeSpec, apply_rope, invert_rope, rope_cos_sin, rotate_into
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, repr=False)
 class KVLayout:
-    """Geometry of a model's KV cache (all models of a code space share it)."""
+    """Geometry of a model's KV cache (all models of a code space share it) and its keys' rotation:
+    Llama's default RoPE of base ``rope_theta``, or ``rope`` (scaled frequencies, per-layer kinds)."""
 
     num_layers: int
     kv_heads: int
     head_dim: int
     rope_theta: float
+    rope: RopeSpec | None = None
 
     def __post_init__(self) -> None:
         if min(self.num_layers, self.kv_heads, self.head_dim) <= 0 or self.head_dim % 2:
             raise ValueError(f"invalid KV layout {self}")
         if self.rope_theta <= 0:
             raise ValueError(f"rope_theta must be positive, got {self.rope_theta}")
+        rope = self.rope
+        if rope is not None and (len(rope.layer_kinds), len(rope.inv_freq[0])) != (self.num_layers, self.head_dim // 2):
+            raise ValueError(f"RoPE spec of {len(rope.layer_kinds)} layers x {len(rope.inv_freq[0])} frequencies does "
+                             f"not fit {self.num_layers} layers of head_dim {self.head_dim}")
+
+    def __repr__(self) -> str:  # part of every space's fingerprint: unchanged for the default rotation
+        base = (f"KVLayout(num_layers={self.num_layers}, kv_heads={self.kv_heads}, head_dim={self.head_dim}, "
+                f"rope_theta={self.rope_theta!r}")
+        return base + (f", rope={self.rope.to_dict()})" if self.rope is not None else ")")
+
+    def to_dict(self) -> dict:
+        data = {"num_layers": self.num_layers, "kv_heads": self.kv_heads, "head_dim": self.head_dim,
+                "rope_theta": self.rope_theta}
+        return data if self.rope is None else {**data, "rope": self.rope.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> KVLayout:
+        rope = data.get("rope")
+        return cls(int(data["num_layers"]), int(data["kv_heads"]), int(data["head_dim"]), float(data["rope_theta"]),
+                   RopeSpec.from_dict(rope) if rope is not None else None)
+
+    @property
+    def per_layer_rope(self) -> bool:
+        """Whether layers rotate keys differently (RoPE tables are then ``[layers, 1, T, D]``)."""
+        return self.rope is not None and self.rope.per_layer
+
+    def angles(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32, inverse: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos``, ``sin`` of the keys' rotation at ``positions`` (``inverse``: the un-rotation's)."""
+        if self.rope is None:
+            return rope_cos_sin(positions, self.head_dim, self.rope_theta, dtype=dtype)
+        return self.rope.cos_sin(positions, dtype, inverse)
+
+    def check_positions(self, start: int, tokens: int) -> None:
+        """Raise ``ValueError`` when positions ``start..start + tokens`` pass where the rotation is known."""
+        limit = self.rope.max_position if self.rope is not None else 0
+        if limit and start + tokens > limit:
+            raise ValueError(f"positions up to {start + tokens} pass {limit}, past which this model's RoPE "
+                             "(dynamic / longrope) changes its frequencies: not coded")
 
     @property
     def groups(self) -> int:
@@ -37,9 +78,6 @@ class KVLayout:
     @property
     def width(self) -> int:
         return self.kv_heads * self.head_dim
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
     @property
     def geometry(self) -> tuple[int, int, int]:
@@ -61,7 +99,8 @@ class KVLayout:
 def to_features(state: KVState, layout: KVLayout) -> torch.Tensor:
     """``[T, groups, C]`` float32 features: keys un-rotated to pre-RoPE, heads concatenated."""
     layout.check(state)
-    cos, sin = rope_cos_sin(state.positions, layout.head_dim, layout.rope_theta)
+    layout.check_positions(state.start, state.num_tokens)
+    cos, sin = layout.angles(state.positions, inverse=True)
     keys = invert_rope(state.keys.float(), cos, sin)
     t = state.num_tokens
     k = keys.permute(2, 0, 1, 3).reshape(t, layout.num_layers, layout.width)
@@ -76,7 +115,7 @@ def from_features(features: torch.Tensor, layout: KVLayout, start: int) -> KVSta
     keys = f[:, :, 0].permute(1, 2, 0, 3)
     values = f[:, :, 1].permute(1, 2, 0, 3)
     positions = torch.arange(start, start + t, device=features.device)
-    cos, sin = rope_cos_sin(positions, layout.head_dim, layout.rope_theta, dtype=features.dtype)
+    cos, sin = layout.angles(positions, dtype=features.dtype)
     return KVState(apply_rope(keys, cos, sin).contiguous(), values.contiguous(), start=start)
 
 

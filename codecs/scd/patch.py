@@ -51,6 +51,12 @@ class PatchAligner:
     @classmethod
     def initial(cls, layer: int, source: str, attention: torch.nn.Module, units: int, seed: int) -> PatchAligner:
         """A fresh aligner for ``attention`` (a Llama attention module of the consumer): ``B = 0``."""
+        if not hasattr(attention, "k_proj") or not hasattr(attention, "v_proj"):
+            raise ValueError(f"PATCH needs separate k_proj / v_proj; {type(attention).__name__} fuses them: "
+                             "calibrate REUSE only (--patch-layers 0)")
+        if getattr(attention, "k_norm", None) is not None:
+            raise ValueError(f"PATCH regenerates keys as k_proj(x); {type(attention).__name__} normalises keys "
+                             "(k_norm): calibrate REUSE only (--patch-layers 0)")
         k_proj, v_proj = attention.k_proj, attention.v_proj
         width, hidden = k_proj.weight.shape
         d_in = hidden if source == "hidden" else 2 * width

@@ -20,6 +20,7 @@ from scd_store.codecs.kv_state import KVState
 from scd_store.codecs.tensor_pack import PayloadError
 from scd_store.service.bindings import Binding, Bindings
 from scd_store.service.bundles import bind_bundle
+from scd_store.service.discovery import PairDiscovery
 from scd_store.service.hash_agreement import HashAgreement, HashCanary
 from scd_store.service.log_once import LogOnce
 from scd_store.service.put_queue import PutJob, PutQueue
@@ -40,12 +41,16 @@ class KVService:
     ``replace_registrations`` lets the bundles overwrite different registry records (for a registry
     the caller owns, e.g. the demo's). Engines hand puts over with :meth:`submit_put` (at most
     ``put_queue_chunks`` queued, off their thread); a get stops decoding once ``get_deadline_s``
-    has passed (the chunks decoded so far are the hit).
+    has passed (the chunks decoded so far are the hit). ``models``: load only these models' decoders from
+    ``bundles`` (default: every pair's). A model asked for without a binding is looked up in the registry
+    every ``discovery_interval_s`` (0: never) and bound once a pair or space names it (``scd-store
+    register``; :mod:`scd_store.service.discovery`).
     """
 
     def __init__(self, store: TieredStore, bundles: Sequence[str | Path], *,
                  aliases: Mapping[str, str] | None = None, replace_registrations: bool = False,
-                 put_queue_chunks: int = 256, get_deadline_s: float | None = None) -> None:
+                 put_queue_chunks: int = 256, get_deadline_s: float | None = None,
+                 models: Sequence[str] | None = None, discovery_interval_s: float = 2.0) -> None:
         if get_deadline_s is not None and get_deadline_s <= 0:
             raise ValueError(f"get_deadline_s must be positive, got {get_deadline_s}")
         self.store = store
@@ -53,11 +58,12 @@ class KVService:
         self.bindings = Bindings(aliases)
         for bundle in bundles:
             for binding in bind_bundle(Path(bundle), store.registry, chunk_size=store.chunk_size,
-                                       replace=replace_registrations):
+                                       replace=replace_registrations, models=models):
                 self.bindings.add(binding)
         store.forget_registry_cache()
         self.puts = PutQueue(self._run_put, store.stats, max_chunks=put_queue_chunks)
         self.hashing = HashAgreement(store.registry, store.stats)
+        self.discovery = PairDiscovery(store.registry, self.bindings, store.stats, discovery_interval_s)
         self._once = LogOnce(log)
 
     @property
@@ -66,8 +72,12 @@ class KVService:
 
     # ----------------------------------------------------------------- lookups
     def binding(self, model: str) -> Binding | None:
-        """The binding of an engine model name (after aliases), or None for a model scd-store does not serve."""
-        return self.bindings.get(model)
+        """The binding of an engine model name (after aliases), or None for a model scd-store does not serve
+        (yet: the name is handed to discovery, which binds it once the registry names it)."""
+        binding = self.bindings.get(model)
+        if binding is None:
+            self.discovery.want(self.aliases.get(model, model))
+        return binding
 
     def models(self) -> dict[str, str]:
         """Every bound model name and its role."""
@@ -110,6 +120,7 @@ class KVService:
 
     def close(self, timeout: float | None = None) -> None:
         """Store what is queued (up to ``timeout``, default the store's ``put_timeout_s``), then close the store."""
+        self.discovery.close()
         try:
             self.puts.close(self.store.put_timeout_s if timeout is None else timeout)
         finally:

@@ -3,7 +3,12 @@
 Every engine adapter reads the same keys (LMCache: ``extra_config`` ``scd.*``; SGLang: the
 ``"scd"`` object of ``--hicache-storage-backend-extra-config``):
 
-- ``bundles``: calibration bundle directories (a list, or one string of comma-separated paths);
+- ``bundles``: calibration bundle directories (a list, or one string of comma-separated paths; may be
+  empty: pairs registered with ``scd-store register`` are found in the registry);
+- ``models``: the models this engine serves (base and adapter names): only their decoders are loaded
+  from ``bundles`` (default: every pair's);
+- ``discovery_interval_s``: how often models asked for without a binding are looked up in the
+  registry (default 2; 0 = never);
 - ``store_config``: an scd-store YAML (default: ``$SCD_STORE_CONFIG`` or the embedded CPU + disk);
 - ``aliases``: ``{engine model name: bundle model name}``;
 - ``put_queue_chunks``: chunks a producer may have waiting to be encoded (default 256; more are
@@ -28,7 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-KNOWN = ("bundles", "store_config", "aliases", "put_queue_chunks", "get_deadline_s", "serves_adapters", "model_tag")
+KNOWN = ("bundles", "store_config", "aliases", "put_queue_chunks", "get_deadline_s", "serves_adapters", "model_tag",
+         "models", "discovery_interval_s")
 
 
 class SettingsError(ValueError):
@@ -46,10 +52,10 @@ class EngineSettings:
     get_deadline_s: float = 5.0
     serves_adapters: bool = False
     model_tag: str = "scd_model"
+    models: tuple[str, ...] | None = None
+    discovery_interval_s: float = 2.0
 
     def __post_init__(self) -> None:
-        if not self.bundles:
-            raise SettingsError("scd-store needs at least one calibration bundle ('bundles')")
         for bundle in self.bundles:
             if not (Path(bundle) / "space.json").is_file():
                 raise SettingsError(f"bundle {bundle!r} is not a calibration bundle directory (no space.json)")
@@ -64,6 +70,10 @@ class EngineSettings:
             raise SettingsError(f"serves_adapters must be true or false, got {self.serves_adapters!r}")
         if not isinstance(self.model_tag, str) or not self.model_tag:
             raise SettingsError(f"model_tag must be a non-empty string, got {self.model_tag!r}")
+        if self.models is not None and not all(isinstance(m, str) and m for m in self.models):
+            raise SettingsError(f"models must be a list of model names, got {self.models!r}")
+        if not self.discovery_interval_s >= 0:
+            raise SettingsError(f"discovery_interval_s must be >= 0, got {self.discovery_interval_s!r}")
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], prefix: str = "") -> EngineSettings:
@@ -85,11 +95,18 @@ class EngineSettings:
         try:
             queue_chunks = int(ours.get("put_queue_chunks", 256))
             deadline = float(ours.get("get_deadline_s", 5.0))
+            interval = float(ours.get("discovery_interval_s", 2.0))
         except (TypeError, ValueError) as exc:
-            raise SettingsError(f"put_queue_chunks and get_deadline_s must be numbers: {exc}") from exc
+            raise SettingsError(f"put_queue_chunks, get_deadline_s and discovery_interval_s must be numbers: "
+                                f"{exc}") from exc
+        models = ours.get("models")
+        if isinstance(models, str):
+            models = [m.strip() for m in models.split(",") if m.strip()]
+        if models is not None and not isinstance(models, (list, tuple)):
+            raise SettingsError(f"models must be a list of model names, got {models!r}")
         serves = ours.get("serves_adapters", False)
         if isinstance(serves, str) and serves.lower() in ("true", "false"):
             serves = serves.lower() == "true"
         return cls(tuple(str(Path(b)) for b in bundles), ours.get("store_config"),
                    tuple(sorted((str(k), str(v)) for k, v in aliases.items())), queue_chunks, deadline, serves,
-                   ours.get("model_tag", "scd_model"))
+                   ours.get("model_tag", "scd_model"), None if models is None else tuple(models), interval)

@@ -22,7 +22,8 @@ from scd_store.store.keys import validate_space_id
 REDIS_PREFIX = "scd:__registry__"
 REDIS_SPACES = f"{REDIS_PREFIX}:spaces"
 REDIS_PAIRS = f"{REDIS_PREFIX}:pairs"
-KINDS = ("spaces", "pairs", "canaries")  # canaries: each space's producer hashing, per engine
+# canaries: each space's producer hashing, per engine; locations: the bundle directory of a space or pair
+KINDS = ("spaces", "pairs", "canaries", "locations")
 
 
 class RegistryError(ValueError):
@@ -151,6 +152,14 @@ class Registry(ABC):
         """Every engine's canary recorded for ``space_id``, by engine name."""
         prefix = f"{space_id}|"
         return {k[len(prefix):]: v for k, v in self._all("canaries").items() if k.startswith(prefix)}
+
+    def record_location(self, ident: str, path: str) -> None:
+        """Where the bundle of a space (``ident`` = space id) or pair (pair id) lies (replaces an older one)."""
+        self._store("locations", ident, {"path": path}, True)
+
+    def locations(self) -> dict[str, str]:
+        """Every recorded bundle directory, by space or pair id."""
+        return {k: v["path"] for k, v in self._all("locations").items() if isinstance(v, dict) and "path" in v}
 
     def spaces(self) -> list[Space]:
         return [_space(r) for _, r in sorted(self._all("spaces").items())]

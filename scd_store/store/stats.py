@@ -39,6 +39,8 @@ COUNTERS: dict[str, str] = {
     "unkeyable_requests": "engine requests whose token ids do not say what their KV holds (prompt embeddings, "
                           "multimodal inputs): neither stored nor served",
     "deadline_chunks": "chunks a get left undecoded because its deadline had passed",
+    "discovered_models": "models bound after start from pairs and spaces registered later (scd-store register)",
+    "discovery_errors": "registered pairs a process could not load (a moved bundle, fingerprints that differ)",
     "refused_chunks": "stored chunks the consumer's codec refused (another packing or space): a miss",
     "hash_mismatch": "engine processes whose chunk hashing differs from their space's producer (canary)",
 }

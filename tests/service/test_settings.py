@@ -19,12 +19,15 @@ def test_settings_read_their_prefix_and_refuse_unknown_keys(bundle):
                                             "other.key": 1}, prefix="scd.")
     assert settings.bundles == (str(bundle), str(bundle)) and settings.aliases == (("b", "a"),)
     assert (settings.put_queue_chunks, settings.get_deadline_s) == (256, 5.0)
+    assert (settings.models, settings.discovery_interval_s) == (None, 2.0)
+    assert EngineSettings.from_mapping({"models": "a, b"}).models == ("a", "b")  # no bundles: the registry's
     with pytest.raises(SettingsError, match=r"unknown scd-store settings \['scd.colour'\]"):
         EngineSettings.from_mapping({"scd.bundles": str(bundle), "scd.colour": "blue"}, prefix="scd.")
 
 
 @pytest.mark.parametrize("values, match", [
-    ({}, "at least one calibration bundle"),
+    ({"models": "", "discovery_interval_s": -1}, "discovery_interval_s must be >= 0"),
+    ({"models": [""]}, "models must be a list of model names"),
     ({"bundles": ["/nowhere"]}, "not a calibration bundle"),
     ({"bundles": [1]}, "list of paths"),
     ({"aliases": ["a"]}, "aliases must be a mapping"),

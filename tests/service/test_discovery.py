@@ -1,0 +1,94 @@
+"""Pairs registered after a service started (``scd-store register``) are bound when first asked for."""
+
+import json
+import time
+
+import pytest
+import torch
+
+from scd_store.cli.main import main
+from scd_store.service import KVService
+from scd_store.service.bundles import register_bundle
+from scd_store.store.registry import FileRegistry
+from scd_store.store.tiered import TieredStore
+from scd_store.store.tiers.cpu import CpuTier
+from tests.bundles import PRODUCER, correlated_state, write_tiny_bundle
+
+HASHES = [bytes([i]) * 16 for i in range(2)]
+
+
+def counter(service, name):
+    return sum(c["value"] for c in service.store.stats.snapshot()["counters"] if c["name"] == name)
+
+
+@pytest.fixture
+def store(tmp_path):
+    st = TieredStore([CpuTier(1 << 20)], FileRegistry(tmp_path / "reg.json"), chunk_size=8)
+    yield st
+    st.close()
+
+
+def parts(count=2, size=8):
+    state = correlated_state(count * size, seed=3)
+    return [type(state)(state.keys[:, :, i * size:(i + 1) * size].contiguous(),
+                        state.values[:, :, i * size:(i + 1) * size].contiguous(), start=i * size) for i in range(count)]
+
+
+def test_a_pair_registered_later_is_bound_on_its_models_first_request(store, tmp_path):
+    first, later = tmp_path / "first", tmp_path / "later"
+    write_tiny_bundle(first, consumers=("consumer-a",))
+    service = KVService(store, [first], discovery_interval_s=0)  # rounds driven by hand
+    assert service.put(PRODUCER, HASHES, parts()) == 2
+    assert service.contains("newcomer", HASHES) == 0 and service.discovery.poll_once() == []  # not registered
+    # the same space, with a decoder for a fine-tune that came later, in its own bundle directory
+    write_tiny_bundle(later, consumers=("consumer-a", "newcomer"))
+    register_bundle(later, FileRegistry(tmp_path / "reg.json"), chunk_size=8)
+    assert service.discovery.poll_once() == ["newcomer"]
+    assert service.contains("newcomer", HASHES) == 2 and len(service.get("newcomer", HASHES)) == 2
+    assert counter(service, "discovered_models") == 1
+    service.close()
+
+
+def test_discovery_runs_on_its_own_thread_within_its_interval(store, tmp_path):
+    bundle = tmp_path / "b"
+    write_tiny_bundle(bundle, consumers=("consumer-a",))
+    service = KVService(store, [bundle], models=(), discovery_interval_s=0.05)
+    assert service.models() == {PRODUCER: "producer"}  # models=(): no decoder loaded at start
+    assert service.binding("consumer-a") is None  # asked for: discovery loads this one decoder
+    deadline = time.monotonic() + 5
+    while service.binding("consumer-a") is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert service.models() == {PRODUCER: "producer", "consumer-a": "consumer"}
+    service.close()
+
+
+def test_a_moved_or_altered_bundle_is_not_bound(store, tmp_path):
+    bundle = tmp_path / "b"
+    write_tiny_bundle(bundle, consumers=("consumer-a",))
+    register_bundle(bundle, store.registry, chunk_size=8)
+    service = KVService(store, [], discovery_interval_s=0)
+    pair = bundle / "pairs" / "consumer-a.safetensors"
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(pair))
+    tensors["bias"] = tensors["bias"] + torch.ones_like(tensors["bias"])
+    save_file(tensors, str(pair))  # no longer the registered decoder
+    assert service.binding("consumer-a") is None and service.discovery.poll_once() == []
+    assert counter(service, "discovery_errors") == 1
+    assert service.binding(PRODUCER) is None and service.discovery.poll_once() == [PRODUCER]  # its space is intact
+    service.close()
+
+
+def test_register_and_pairs_commands(tmp_path, capsys):
+    bundle = tmp_path / "b"
+    write_tiny_bundle(bundle, consumers=("consumer-a", "consumer-b"))
+    config = tmp_path / "store.yaml"
+    config.write_text(json.dumps({"tiers": [{"kind": "cpu"}], "registry_path": str(tmp_path / "reg.json")}))
+    assert main(["register", str(bundle), "--store-config", str(config)]) == 0
+    assert main(["pairs", "--store-config", str(config), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out.split("\n", 3)[-1])
+    (space,) = listed["spaces"]
+    assert space["producer"] == PRODUCER and space["bundle"] == str(bundle.resolve())
+    assert [p["consumer"] for p in space["pairs"]] == ["consumer-a", "consumer-b"]
+    assert all(p["fingerprint"] and p["bundle"] == str(bundle.resolve()) for p in space["pairs"])
+    assert main(["register", str(tmp_path), "--store-config", str(config)]) == 2  # not a bundle: a clear error
