@@ -10,7 +10,7 @@ import torch
 from scd_store.codecs.base import Codec, check_buffers
 from scd_store.codecs.kv_state import KVState
 from scd_store.codecs.scd import fused
-from scd_store.codecs.scd.decoder import PairDecoder, centred_codes, code_centres
+from scd_store.codecs.scd.decoder import PairDecoder, centred_codes, code_centres, group_map
 from scd_store.codecs.scd.graphs import DecodeGraphs
 from scd_store.codecs.scd.layout import write_token_major
 from scd_store.codecs.scd.patch import aligned_kv
@@ -24,6 +24,8 @@ log = logging.getLogger(__name__)
 _CPU_STEP_BYTES = 4 << 20
 _CPU_STEP_TOKENS = 512
 MATMULS = ("auto", "float32", "bfloat16")
+# the space's own folded matrices, shared by every per-head decoder of it in this process
+_SPACE_FOLDS: dict[str, dict[tuple, tuple[torch.Tensor, ...]]] = {}
 
 
 def matmul_dtype(matmul: str, device) -> torch.dtype:
@@ -72,7 +74,7 @@ class ScdCodec(Codec):
         self._patches: dict[str, dict] = {}
         # REUSE decodes on CUDA are launch-bound at serving lengths: replay them as CUDA graphs
         reuse_only = decoder is not None and not decoder.patches and space.hidden is None \
-            and not space.layout.per_layer_rope  # the kernel and the graphs take one RoPE table
+            and not space.layout.per_layer_rope and decoder.structure == "dense"  # one RoPE table, one matrix
         # opt-in until measured on a GPU: checked against the PyTorch path under Triton's interpreter only
         self.fused_kernel = fused_kernel and reuse_only
         self.graphs = DecodeGraphs(self) if cuda_graphs and reuse_only and torch.cuda.is_available() else None
@@ -80,25 +82,44 @@ class ScdCodec(Codec):
     def encode(self, state: KVState) -> bytes:
         return self.space.encode(state)
 
+    @property
+    def _per_head(self) -> bool:
+        return self.decoder.structure == "per-head"
+
+    def _cache(self) -> dict[tuple, tuple[torch.Tensor, ...]]:
+        """Where folded matrices live: this codec's (a dense map is folded in) or the space's (per-head maps
+        are applied after the product, so every consumer of the space shares one fold)."""
+        return _SPACE_FOLDS.setdefault(self.space.fingerprint, {}) if self._per_head else self._matrices
+
     def _folded(self, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The decoder's folded matrices cut to the components that carry bits, contiguous."""
-        key = (str(device), dtype)
-        if key not in self._matrices:
-            matrix, offset = self.decoder.folded(self.space, device, dtype)
+        key, cache = (str(device), dtype), self._cache()
+        if key not in cache:
+            matrix, offset = self.decoder.folded(self.space, device, dtype, with_map=not self._per_head)
             active = self.space.active_components
-            self._matrices[key] = (matrix[:, :active].contiguous(), offset.unsqueeze(1).contiguous())
+            cache[key] = (matrix[:, :active].contiguous(), offset.unsqueeze(1).contiguous())
+        return cache[key]
+
+    def _heads(self, device, dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A per-head decoder's map and bias ``([G, H, D, D], [G, 1, C])`` on ``device``; None for a dense one."""
+        if not self._per_head:
+            return None
+        key = (str(device), dtype, "heads")
+        if key not in self._matrices:
+            self._matrices[key] = (self.decoder.weight.to(device=device, dtype=dtype).contiguous(),
+                                   self.decoder.bias.to(device=device, dtype=dtype).unsqueeze(1).contiguous())
         return self._matrices[key]
 
     def _centred(self, device, dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """:meth:`_folded` for centred codes (``decoder.folded(centred=True)``) in a low-precision
         ``dtype``, with each active component's ``2^(b - 1)`` as uint8 ``[G * active, 1]``."""
-        key = (str(device), dtype, "centred")
-        if key not in self._matrices:
-            matrix, offset = self.decoder.folded(self.space, device, dtype, centred=True)
+        key, cache = (str(device), dtype, "centred"), self._cache()
+        if key not in cache:
+            matrix, offset = self.decoder.folded(self.space, device, dtype, centred=True, with_map=not self._per_head)
             active = self.space.active_components
             centres = code_centres(self.space)[:, :active].reshape(-1, 1).to(device=device, dtype=torch.uint8)
-            self._matrices[key] = (matrix[:, :active].contiguous(), offset.unsqueeze(1).contiguous(), centres)
-        return self._matrices[key]
+            cache[key] = (matrix[:, :active].contiguous(), offset.unsqueeze(1).contiguous(), centres)
+        return cache[key]
 
     def _patched(self, layer: int, features: torch.Tensor, hidden: torch.Tensor | None, device) -> None:
         """Overwrite layer ``layer``'s K / V features ``[2, T, C]`` with its aligner's output."""
@@ -206,6 +227,7 @@ class ScdCodec(Codec):
         centres = None
         if product != torch.float32:
             matrix, offset, centres = self._centred(device, product)
+        heads = self._heads(device, product)
         # one step's gathered codes, their float copy and its features, reused by every step
         gathered = torch.empty(2 * step * active * span, device=device, dtype=torch.uint8)
         as_float = torch.empty(2 * step * active * span, device=device, dtype=product)
@@ -229,6 +251,8 @@ class ScdCodec(Codec):
                     q = centred_codes(q, step_centres, as_float[:size].view(n * active, t)).view(n, active, t)
                 f = torch.baddbmm(step_offset, q.transpose(1, 2), step_matrix,
                                   out=features[:n * t * layout.width].view(n, t, layout.width))
+                if heads is not None:  # y = x_hat + x_hat W + b, one map per KV head
+                    f.add_(group_map(f, heads[0][groups])).add_(heads[1][groups])
                 for layer in patched.intersection(range(first, last)):
                     pair = 2 * (layer - first)
                     self._patched(layer, f[pair:pair + 2], None if hidden is None else hidden[lo:hi], device)

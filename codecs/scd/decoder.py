@@ -8,6 +8,11 @@ Trainable form (what calibration distils, per group ``g``)::
 Folded for decoding: ``y = z_hat @ M + c`` with ``M = basis^T (I + W)`` and
 ``c = mean (I + W) + b``, and the quantiser's steps and offsets folded in too, so the integer codes
 go through one small matmul per layer and tensor, batched over tokens and groups.
+
+Two structures of ``W``: ``dense`` ``[G, C, C]`` (every KV head of a layer mixes into every other) and
+``per-head`` ``[G, H, D, D]`` (block-diagonal, one map per KV head), which keeps a decoder within 2% of
+its consumer's weights on geometries with many KV heads (a multi-head-attention 7B: 134 MB instead of
+4.3 GB). :func:`choose_structure` picks dense where it fits.
 """
 
 from __future__ import annotations
@@ -28,20 +33,39 @@ class PairDecoder:
 
     consumer: str
     space_fingerprint: str
-    weight: torch.Tensor  # [G, C, C], residual: y = x + x @ W + b
+    weight: torch.Tensor  # [G, C, C] dense or [G, H, D, D] per KV head; residual: y = x + x @ W + b
     bias: torch.Tensor  # [G, C]
     consumer_fingerprint: str = ""
     patches: list[PatchAligner] = field(default_factory=list)  # PATCH layers, applied after the maps
 
     def __post_init__(self) -> None:
         g, c = self.bias.shape
-        if tuple(self.weight.shape) != (g, c, c):
-            raise ValueError(f"decoder weight {tuple(self.weight.shape)} does not match bias {tuple(self.bias.shape)}")
+        shape = tuple(self.weight.shape)
+        per_head = len(shape) == 4 and shape[0] == g and shape[2] == shape[3] and shape[1] * shape[2] == c
+        if shape != (g, c, c) and not per_head:
+            raise ValueError(f"decoder weight {shape} does not match bias {tuple(self.bias.shape)}: expected "
+                             f"[{g}, {c}, {c}] (dense) or [{g}, heads, head_dim, head_dim] (per-head)")
         layers = [p.layer for p in self.patches]
         if len(set(layers)) != len(layers) or any(not 0 <= layer < g // 2 for layer in layers):
             raise ValueError(f"patch layers {layers} must be distinct layers of the model")
         if any(p.k_proj.shape[0] != c for p in self.patches):
             raise ValueError("patch aligners do not produce this decoder's feature width")
+
+    @property
+    def structure(self) -> str:
+        """``"dense"`` or ``"per-head"``."""
+        return "dense" if self.weight.dim() == 3 else "per-head"
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every tensor (what a process holds for this consumer, before folding)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    def dense_weight(self) -> torch.Tensor:
+        """``W`` as ``[G, C, C]`` (a per-head map laid out block-diagonally)."""
+        if self.structure == "dense":
+            return self.weight
+        return torch.stack([torch.block_diag(*group.unbind(0)) for group in self.weight])
 
     @classmethod
     def identity(cls, space: CodeSpace, consumer: str, mean_shift: torch.Tensor | None = None) -> PairDecoder:
@@ -62,22 +86,28 @@ class PairDecoder:
         sources = ",".join(f"{p.layer}:{p.source}" for p in self.patches)
         return tensors_fingerprint(self.tensors(), extra=self.space_fingerprint + (f"|{sources}" if sources else ""))
 
-    def folded(self, space: CodeSpace, device: torch.device | str, dtype: torch.dtype, *, centred: bool = False
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def folded(self, space: CodeSpace, device: torch.device | str, dtype: torch.dtype, *, centred: bool = False,
+               with_map: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """``(M, c)`` with ``y = q M + c`` straight from the integer codes ``q`` (as floats): the basis,
         the map and each component's quantiser step and offset folded together. Zero-bit
         components contribute nothing. Not cached here: :class:`ScdCodec` keeps the cut, contiguous copy.
 
         ``centred=True`` folds for the signed codes ``s = q - 2^(b - 1)`` instead (:func:`centred_codes`):
         ``y = s M + c``, the quantiser's offset a mere half step, so a low-precision product (bf16 holds
-        every such ``s`` exactly) does not cancel a large ``q M`` against a large ``c``."""
+        every such ``s`` exactly) does not cancel a large ``q M`` against a large ``c``.
+
+        ``with_map=False`` folds the space alone (``y`` = the producer's reconstructed features, the same for
+        every consumer): a per-head map is then applied after the product (:func:`apply_map`), so no
+        ``[G, components, C]`` matrix per consumer is ever built."""
         if space.fingerprint != self.space_fingerprint:
             raise ValueError(f"decoder for {self.consumer} was calibrated for space {self.space_fingerprint}, "
                              f"not {space.fingerprint}")
-        eye = torch.eye(self.weight.shape[-1], dtype=torch.float64)
-        residual = eye + self.weight.double()
-        matrix = space.basis.double().transpose(1, 2) @ residual  # z_hat -> y
-        offset = torch.bmm(space.mean.double().unsqueeze(1), residual).squeeze(1) + self.bias.double()
+        matrix = space.basis.double().transpose(1, 2)  # z_hat -> x_hat
+        offset = space.mean.double()
+        if with_map:  # x_hat -> y = x_hat + x_hat W + b
+            weight = self.weight.double()
+            matrix = matrix + group_map(matrix, weight)
+            offset = offset + group_map(offset.unsqueeze(1), weight).squeeze(1) + self.bias.double()
         # z_hat_j = (q_j - levels_j / 2 + 0.5) * step_j, and 0 where a component has no bits
         step = torch.tensor(STEP, dtype=torch.float64)[space.bits] * space.sigma.double()
         # z_hat_j = (s_j + 0.5) * step_j with s_j = q_j - 2^(b_j - 1) (centred) or q_j - centre_j
@@ -85,6 +115,46 @@ class PairDecoder:
         matrix = matrix * step.unsqueeze(-1)
         offset = offset - torch.bmm(centre.unsqueeze(1), matrix).squeeze(1)
         return matrix.to(device=device, dtype=dtype), offset.to(device=device, dtype=dtype)
+
+
+def group_map(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x W`` per group for rows ``x`` ``[G, R, C]`` and a dense ``[G, C, C]`` or per-head ``[G, H, D, D]`` map."""
+    if weight.dim() == 3:
+        return torch.bmm(x, weight)
+    g, r, c = x.shape
+    heads, dim = weight.shape[1], weight.shape[2]
+    return torch.einsum("grhd,ghde->grhe", x.reshape(g, r, heads, dim), weight).reshape(g, r, c)
+
+
+def apply_map(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x W`` for features ``x`` ``[..., G, C]`` (differentiable; what distillation trains through)."""
+    if weight.dim() == 3:
+        return torch.einsum("...gc,gcd->...gd", x, weight)
+    heads, dim = weight.shape[1], weight.shape[2]
+    per_head = x.reshape(*x.shape[:-1], heads, dim)
+    return torch.einsum("...ghc,ghcd->...ghd", per_head, weight).reshape(x.shape)
+
+
+STRUCTURES = ("auto", "dense", "per-head")
+SIZE_LIMIT = 0.02  # a decoder's bytes against its consumer's own weight bytes
+
+
+def decoder_bytes(groups: int, kv_heads: int, head_dim: int, structure: str) -> int:
+    """fp32 bytes of a decoder's map and bias for a geometry (PATCH aligners not counted)."""
+    width = kv_heads * head_dim
+    matrix = width * width if structure == "dense" else kv_heads * head_dim * head_dim
+    return 4 * groups * (matrix + width)
+
+
+def choose_structure(groups: int, kv_heads: int, head_dim: int, consumer_bytes: int, requested: str = "auto") -> str:
+    """``requested`` unless ``"auto"``: then dense when it stays within :data:`SIZE_LIMIT` of ``consumer_bytes``,
+    else per-head."""
+    if requested not in STRUCTURES:
+        raise ValueError(f"decoder structure must be one of {STRUCTURES}, got {requested!r}")
+    if requested != "auto":
+        return requested
+    dense = decoder_bytes(groups, kv_heads, head_dim, "dense")
+    return "dense" if dense <= SIZE_LIMIT * consumer_bytes else "per-head"
 
 
 def code_centres(space: CodeSpace) -> torch.Tensor:

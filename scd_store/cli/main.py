@@ -78,6 +78,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         base = replace(base, prefix_tokens=args.prefix_tokens)
     if args.continuation_tokens:
         base = replace(base, continuation_tokens=args.continuation_tokens)
+    base = replace(base, decoder=args.decoder)
     print(json.dumps(calibrate(args.producer, args.consumer, args.out, budget=args.budget or [base.budget],
                                steps=args.steps, windows=args.windows, reuse_space=args.reuse_space,
                                patch_layers=args.patch_layers or [0], patch_source=args.patch_source,
@@ -96,118 +97,6 @@ def resolve_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _bench_decode(args: argparse.Namespace) -> int:
-    import json
-
-    import torch
-
-    from scd_store.bench.decode import DecodeBenchConfig, run_decode_bench
-
-    config = DecodeBenchConfig(prefix_tokens=tuple(args.prefix_tokens), budget=args.budget, repeats=args.repeats,
-                               decodes_per_round=args.decodes_per_round, device=args.device, dtype=args.dtype)
-    codec = consumer = None
-    if args.bundle:
-        from scd_store.adapters.transformers import load_model
-        from scd_store.bench.quality import load_scd_codec
-        from scd_store.models import catalog
-
-        producer = load_model(catalog.PRODUCER, device=args.device)
-        loaded = load_model(args.consumer, device=args.device)
-        codec, consumer = load_scd_codec(args.bundle, producer, loaded), loaded.model.to(getattr(torch, args.dtype))
-    allocator = getattr(args, "allocator", "not set")
-    report = json.dumps({**run_decode_bench(config, codec, consumer), "allocator": allocator}, indent=2)
-    print(report)
-    if args.json:
-        args.json.write_text(report + "\n")
-    return 0
-
-
-def _bench_transfer(args: argparse.Namespace) -> int:
-    import json
-
-    from scd_store.bench.transfer import run_transfer_bench
-    from scd_store.store.transfer import nixl_available
-
-    kind = args.kind if args.kind != "auto" else ("nixl" if nixl_available() else "copy")
-    report = json.dumps(run_transfer_bench(kind, args.device, args.reps), indent=2)
-    print(report)
-    if args.json:
-        args.json.write_text(report + "\n")
-    return 0
-
-
-def catalog_consumers() -> tuple[str, ...]:
-    from scd_store.models import catalog
-
-    return tuple(catalog.CONSUMERS)
-
-
-def _bench_serve(args: argparse.Namespace) -> int:
-    import json
-
-    from scd_store.bench.serve import ServeConfig, run_serve
-
-    bundle = args.bundle
-    if not bundle:
-        from rich.console import Console
-
-        from scd_store.adapters.transformers import load_model
-        from scd_store.cli.demo.run import DemoConfig, demo_bundle
-        from scd_store.models import catalog
-
-        producer = load_model(catalog.PRODUCER)
-        consumers = [load_model(name) for name in catalog.CONSUMERS]
-        bundle = str(demo_bundle(DemoConfig(), producer, consumers, Console(stderr=True)))
-    try:
-        config = ServeConfig(bundle, args.consumer, tuple(args.prefix_tokens), tuple(args.concurrency), args.waves,
-                             args.suffix_tokens, args.new_tokens, args.root, agreement_windows=args.agreement_windows,
-                             agreement_consumers=tuple(args.agreement_consumers))
-    except ValueError as exc:
-        print(f"bench serve: {exc}", file=sys.stderr)
-        return 2
-    report = json.dumps(run_serve(config), indent=1)
-    if args.json:
-        args.json.write_text(report + "\n")
-    print(report)
-    return 0
-
-
-def _bench_ttft(args: argparse.Namespace) -> int:
-    import json
-
-    from scd_store.bench.ttft import TtftConfig, plot_ttft, run_ttft
-
-    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
-    if "scd" in methods and not args.bundle:
-        print("bench ttft: the scd method needs --bundle DIR (see `scd-store calibrate`); "
-              "or pass --methods raw,int4,droidspeak", file=sys.stderr)
-        return 2
-    config = TtftConfig(args.consumer, tuple(args.prefix_tokens), args.suffix_tokens, bundle=args.bundle,
-                        repeats=args.repeats, methods=methods,
-                        droidspeak_group=tuple(int(x) for x in args.droidspeak_group.split("-")))
-    report = run_ttft(config)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        args.json.write_text(text + "\n")
-        plot_ttft(report, args.json.with_suffix(".png"))
-    return 0
-
-
-def _bench_engine_put(args: argparse.Namespace) -> int:
-    import json
-
-    from scd_store.bench.engine_put import EnginePutConfig, run_engine_put_bench
-
-    report = run_engine_put_bench(EnginePutConfig(prompts=args.prompts, prompt_tokens=args.prompt_tokens,
-                                                  chunk_tokens=args.chunk_tokens))
-    text = json.dumps(report, indent=1)
-    if args.json:
-        args.json.write_text(text)
-    print(text)
-    return 0
-
-
 def _demo(args: argparse.Namespace) -> int:
     from scd_store.cli.demo.run import DemoConfig, main
 
@@ -216,12 +105,14 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _add_store_commands(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:
+    from scd_store.cli.bench_cmds import add_bench_parsers
     from scd_store.cli.registry_cmds import add_registry_parsers
     from scd_store.cli.stats_cmd import add_stats_parser
     from scd_store.cli.store_cmds import add_bench_store_parser
 
     add_stats_parser(sub)
     add_registry_parsers(sub)
+    add_bench_parsers(bench)
     add_bench_store_parser(bench)
 
 
@@ -270,62 +161,6 @@ def build_parser() -> argparse.ArgumentParser:
     pareto.add_argument("--png", type=Path, required=True)
     pareto.set_defaults(func=_bench_pareto)
 
-    decode = bench.add_parser("decode", help="SCD decode time against the consumer's own prefill")
-    decode.add_argument("--prefix-tokens", type=int, nargs="+", default=[448, 2048])
-    decode.add_argument("--budget", type=float, default=0.25)
-    decode.add_argument("--repeats", type=int, default=5, help="rounds of one prefill and --decodes-per-round decodes")
-    decode.add_argument("--decodes-per-round", type=int, default=5)
-    decode.add_argument("--device", default="cpu")
-    decode.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    decode.add_argument("--json", type=Path)
-    decode.add_argument("--bundle", type=Path, help="time a real calibrated pair (default: random-init model)")
-    decode.add_argument("--consumer", default="smollm2-135m-shakespeare", help="the consumer of --bundle")
-    decode.set_defaults(func=_bench_decode)
-
-    transfer = bench.add_parser("transfer", help="blob reads from another process's registered memory (NIXL)")
-    transfer.add_argument("--kind", default="auto", choices=["auto", "nixl", "copy"])
-    transfer.add_argument("--device", default="cpu", help="cpu (DRAM) or cuda (VRAM)")
-    transfer.add_argument("--reps", type=int, default=20)
-    transfer.add_argument("--json", type=Path)
-    transfer.set_defaults(func=_bench_transfer)
-
-    ttft = bench.add_parser("ttft", help="modelled what-if: disaggregated TTFT vs own prefill over modelled links "
-                            "(measured against real servers: bench serve)")
-    ttft.add_argument("--consumer", default="smollm2-135m-shakespeare")
-    ttft.add_argument("--bundle", help="calibration bundle for the scd method")
-    ttft.add_argument("--prefix-tokens", type=int, nargs="+", default=[512, 1024, 2048])
-    ttft.add_argument("--suffix-tokens", type=int, default=32)
-    ttft.add_argument("--repeats", type=int, default=3)
-    ttft.add_argument("--methods", default="raw,int4,scd,droidspeak")
-    ttft.add_argument("--droidspeak-group", default="18-24", help="layers [start-stop) droidspeak recomputes")
-    ttft.add_argument("--json", type=Path, help="write the report here (and a PNG plot next to it)")
-    ttft.set_defaults(func=_bench_ttft)
-
-    serve = bench.add_parser("serve", help="measured: client-side TTFT and throughput against real vLLM servers, "
-                             "codes vs own prefill vs raw KV reuse")
-    serve.add_argument("--bundle", help="calibration bundle (default: the demo's quick one, calibrated once)")
-    serve.add_argument("--consumer", default="smollm2-135m-shakespeare")
-    serve.add_argument("--prefix-tokens", type=int, nargs="+", default=[512, 1024, 2048])
-    serve.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
-    serve.add_argument("--waves", type=int, default=2, help="waves of concurrent requests per route and setting")
-    serve.add_argument("--suffix-tokens", type=int, default=32, help="distinct tokens after the shared prefix")
-    serve.add_argument("--new-tokens", type=int, default=16)
-    serve.add_argument("--root", help="the servers' store, logs and stats (default: a temporary directory)")
-    serve.add_argument("--agreement-windows", type=int, default=10,
-                       help="held-out windows per consumer: greedy answers by each route against its own (0: skip)")
-    serve.add_argument("--agreement-consumers", nargs="+", default=list(catalog_consumers()),
-                       help="the fine-tunes whose answers are compared (their pairs must be in the bundle)")
-    serve.add_argument("--json", type=Path)
-    serve.set_defaults(func=_bench_serve)
-
-    engine_put = bench.add_parser("engine-put", help="what a producer engine's thread waits for per stored prompt "
-                                  "(a real LMCacheEngine with the plugin)")
-    engine_put.add_argument("--prompts", type=int, default=30)
-    engine_put.add_argument("--prompt-tokens", type=int, default=1024)
-    engine_put.add_argument("--chunk-tokens", type=int, default=256)
-    engine_put.add_argument("--json", type=Path)
-    engine_put.set_defaults(func=_bench_engine_put)
-
     cal = sub.add_parser("calibrate", help="fit a code space and distil consumer decoders into a bundle")
     cal.add_argument("--producer", default="smollm2-135m-instruct", help="catalog name or checkpoint dir")
     cal.add_argument("--consumer", action="append", required=True,
@@ -335,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="calibration text: .txt/.md files, folders of them, JSONL with 'text' or chat 'messages' "
                           "(repeat; default: each catalog consumer's own corpus)")
     cal.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
+    cal.add_argument("--decoder", choices=["auto", "dense", "per-head"], default="auto",
+                     help="the decoder map: dense over a layer's KV heads, or one per KV head (auto: dense where it "
+                          "stays within 2%% of the consumer's bf16 weights)")
     cal.add_argument("--out", type=Path, required=True, help="bundle directory")
     cal.add_argument("--budget", type=float, action="append",
                      help="coded bits per dimension against fp16 (default 0.24: payload <= 25%% of fp16 KV); "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from scd_store.codecs.scd.decoder import STRUCTURES
 from scd_store.codecs.scd.patch import SOURCES
 
 # coded bits against fp16 KV: with sinks and headers a 448-token payload is 24.7% of raw fp16 (<= 25%)
@@ -64,6 +65,8 @@ class CalibrationConfig:
     distill_steps: int = DEFAULT_STEPS
     patch_layers: int = 0  # k: layers whose K / V the consumer regenerates (PATCH); 0 = REUSE only
     patch_source: str = "hidden"  # "hidden": code H_in at those layers; "kv": aligners on the REUSE output
+    # the decoder map: "dense", "per-head", or "auto" (dense where it stays within 2% of the consumer's bf16 weights)
+    decoder: str = "auto"
     seed: int = 0
     recipe: Recipe = field(default_factory=Recipe)
 
@@ -78,6 +81,8 @@ class CalibrationConfig:
             raise ValueError(f"distill_steps must be an int >= 0, got {self.distill_steps!r}")
         if self.patch_layers < 0:
             raise ValueError(f"patch_layers must be >= 0, got {self.patch_layers}")
+        if self.decoder not in STRUCTURES:
+            raise ValueError(f"decoder must be one of {STRUCTURES}, got {self.decoder!r}")
         if self.patch_source not in SOURCES:
             raise ValueError(f"patch_source must be one of {SOURCES}, got {self.patch_source!r}")
 

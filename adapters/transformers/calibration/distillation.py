@@ -20,7 +20,7 @@ from scd_store.adapters.transformers.calibration.feature_cache import cache_from
 from scd_store.adapters.transformers.calibration.teacher import TeacherData, collect_teacher, through_space
 from scd_store.adapters.transformers.compat import cache_kwarg
 from scd_store.adapters.transformers.loading import LoadedModel
-from scd_store.codecs.scd.decoder import PairDecoder
+from scd_store.codecs.scd.decoder import PairDecoder, apply_map, choose_structure
 from scd_store.codecs.scd.patch import PatchAligner, apply_patches
 from scd_store.codecs.scd.space import CodeSpace
 from scd_store.models.windows import Corpus
@@ -43,7 +43,12 @@ def distil_decoder(producer: LoadedModel, consumer: LoadedModel, space: CodeSpac
     collect_seconds = time.perf_counter() - start_time
     g, c = space.layout.groups, space.layout.width
     device = consumer.device
-    weight = torch.zeros(g, c, c, device=device, requires_grad=True)
+    layout = space.layout
+    # the consumer's own weight bytes, as served (bf16), whatever dtype calibration loaded it in
+    consumer_bytes = 2 * sum(p.numel() for p in consumer.model.parameters())
+    structure = choose_structure(g, layout.kv_heads, layout.head_dim, consumer_bytes, config.decoder)
+    shape = (g, c, c) if structure == "dense" else (g, layout.kv_heads, layout.head_dim, layout.head_dim)
+    weight = torch.zeros(shape, device=device, requires_grad=True)
     bias = data.mean_shift.to(device).requires_grad_(True)
     layers = consumer.model.model.layers
     patches = [PatchAligner.initial(layer, "hidden", layers[layer].self_attn, recipe.patch_units, config.seed)
@@ -74,7 +79,7 @@ def distil_decoder(producer: LoadedModel, consumer: LoadedModel, space: CodeSpac
             cut = int(torch.randint(first_cut, prefix + 1, (1,), generator=generator))
         coded = cut - recipe.sink_tokens
         xhat = data.xhat[idx, :coded].to(device).float()
-        y = xhat + torch.einsum("btgc,gcd->btgd", xhat, weight) + bias
+        y = xhat + apply_map(xhat, weight) + bias
         hidden = data.hidden[idx, :coded].to(device).float() if data.hidden is not None else None
         if patches:
             per_group = list(y.unbind(2))
@@ -110,6 +115,7 @@ def distil_decoder(producer: LoadedModel, consumer: LoadedModel, space: CodeSpac
         "windows": n,
         "steps": total,
         "device": str(device),
+        "decoder": structure,
         "shortest_prefix": recipe.shortest_prefix,
         "collect_seconds": round(collect_seconds, 1),
         "train_seconds": round(time.perf_counter() - start_time - collect_seconds, 1),
