@@ -105,7 +105,8 @@ def check_pair(producer: ModelSource, consumer: ModelSource) -> None:
         raise ModelSpecError(f"consumer {consumer.name} does not fit producer {producer.name}'s architecture "
                              f"({details}): a consumer must be a fine-tune of the producer")
     probe = "The quick brown fox: def main(): return 42 \u00e9\u4e2d"
-    ids = [AutoTokenizer.from_pretrained(str(m.path))(probe)["input_ids"] for m in (producer, consumer)]
-    if ids[0] != ids[1]:
+    tokenizers = [AutoTokenizer.from_pretrained(str(m.path)) for m in (producer, consumer)]
+    if tokenizers[0].get_vocab() != tokenizers[1].get_vocab() or \
+            tokenizers[0](probe)["input_ids"] != tokenizers[1](probe)["input_ids"]:
         raise ModelSpecError(f"consumer {consumer.name} tokenizes text differently from producer {producer.name}: "
                              "it cannot read the producer's cache")
