@@ -25,6 +25,13 @@ def correlated_state(tokens: int, start: int = 0, seed: int = 0) -> KVState:
     return KVState(keys.contiguous(), values.contiguous(), start=start)
 
 
+def chunked(count: int, size: int, seed: int = 0) -> list[KVState]:
+    """:func:`correlated_state` of ``count * size`` tokens cut into chunks at their positions."""
+    state = correlated_state(count * size, seed=seed)
+    return [KVState(state.keys[:, :, i * size:(i + 1) * size].contiguous(),
+                    state.values[:, :, i * size:(i + 1) * size].contiguous(), start=i * size) for i in range(count)]
+
+
 def tiny_space(budget: float = 0.4, space_id: str = "tiny-space", sinks: int = 2,
                producer_fingerprint: str = "producer-fp") -> CodeSpace:
     """A code space fitted to :func:`correlated_state` KV."""

@@ -3,16 +3,13 @@
 import json
 import time
 
-import pytest
 import torch
 
 from scd_store.cli.main import main
 from scd_store.service import KVService
 from scd_store.service.bundles import register_bundle
 from scd_store.store.registry import FileRegistry
-from scd_store.store.tiered import TieredStore
-from scd_store.store.tiers.cpu import CpuTier
-from tests.bundles import PRODUCER, correlated_state, write_tiny_bundle
+from tests.bundles import PRODUCER, chunked, write_tiny_bundle
 
 HASHES = [bytes([i]) * 16 for i in range(2)]
 
@@ -21,17 +18,8 @@ def counter(service, name):
     return sum(c["value"] for c in service.store.stats.snapshot()["counters"] if c["name"] == name)
 
 
-@pytest.fixture
-def store(tmp_path):
-    st = TieredStore([CpuTier(1 << 20)], FileRegistry(tmp_path / "reg.json"), chunk_size=8)
-    yield st
-    st.close()
-
-
-def parts(count=2, size=8):
-    state = correlated_state(count * size, seed=3)
-    return [type(state)(state.keys[:, :, i * size:(i + 1) * size].contiguous(),
-                        state.values[:, :, i * size:(i + 1) * size].contiguous(), start=i * size) for i in range(count)]
+def parts():
+    return chunked(2, 8, seed=3)
 
 
 def test_a_pair_registered_later_is_bound_on_its_models_first_request(store, tmp_path):

@@ -7,9 +7,7 @@ from scd_store.codecs.scd.bundle import load_space
 from scd_store.codecs.scd.codec import ScdCodec
 from scd_store.codecs.scd.decoder import PairDecoder
 from scd_store.service import KVService, ServiceError
-from scd_store.store.registry import FileRegistry, RegistryError
-from scd_store.store.tiered import TieredStore
-from scd_store.store.tiers.cpu import CpuTier
+from scd_store.store.registry import RegistryError
 from tests.bundles import PRODUCER, correlated_state, write_tiny_bundle
 
 HASHES = [bytes([i]) * 16 for i in range(3)]
@@ -20,13 +18,6 @@ def bundle(tmp_path):
     path = tmp_path / "bundle"
     write_tiny_bundle(path, consumers=("consumer-a", "consumer-b"))
     return path
-
-
-@pytest.fixture
-def store(tmp_path):
-    st = TieredStore([CpuTier(1 << 20)], FileRegistry(tmp_path / "reg.json"), chunk_size=8)
-    yield st
-    st.close()
 
 
 def chunks(count=3, size=8):
