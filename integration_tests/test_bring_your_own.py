@@ -105,9 +105,11 @@ def deployment(tmp_path_factory, material):
         store_yaml.write_text(json.dumps({"tiers": [{"kind": "cpu", "max_bytes": "64MiB"},
                                                     {"kind": "redis", "url": redis.url}]}))
         kv = scd_connector_config([], store_yaml, discovery_interval_s=0.5)  # no bundle: all from the registry
+        # without vLLM's own prefix cache, a prompt sent again (after the model was bound) is computed or
+        # loaded again instead of served from the engine's blocks: the retries below need that
         base = ServerSpec(model_dir(catalog.PRODUCER), catalog.PRODUCER, kv, max_model_len=1024,
-                          lora_modules={LORA: str(material["adapter"])})
-        fine = ServerSpec(str(material["checkpoint"]), CKPT, kv, max_model_len=1024)
+                          lora_modules={LORA: str(material["adapter"])}, prefix_caching=False)
+        fine = ServerSpec(str(material["checkpoint"]), CKPT, kv, max_model_len=1024, prefix_caching=False)
         servers = [VllmServer(base, root / "producer.log"), VllmServer(fine, root / "consumer.log")]
         try:
             for server in servers:

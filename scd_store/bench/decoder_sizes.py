@@ -1,8 +1,8 @@
 """``scd-store bench decoder-sizes``: one consumer's decoder bytes against its own weights, per geometry.
 
 Computed from the models' published configs (no weights needed): parameters of a Llama-style decoder
-(embeddings, attention, gated MLP, norms), served in bf16, against the decoder's fp32 map and bias
-in the structure :func:`~scd_store.codecs.scd.decoder.choose_structure` picks and in both structures.
+(embeddings, attention, gated MLP, norms), served in bf16, against the decoder's bf16 map and fp32
+bias in the structure :func:`~scd_store.codecs.scd.decoder.choose_structure` picks and in both structures.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from scd_store.adapters.transformers.calibration.feature_cache import cache_from
 from scd_store.adapters.transformers.calibration.teacher import TeacherData, collect_teacher, through_space
 from scd_store.adapters.transformers.compat import cache_kwarg
 from scd_store.adapters.transformers.loading import LoadedModel
-from scd_store.codecs.scd.decoder import PairDecoder, apply_map, choose_structure
+from scd_store.codecs.scd.decoder import MAP_DTYPE, PairDecoder, apply_map, choose_structure
 from scd_store.codecs.scd.patch import PatchAligner, apply_patches
 from scd_store.codecs.scd.space import CodeSpace
 from scd_store.models.windows import Corpus
@@ -109,8 +109,8 @@ def distil_decoder(producer: LoadedModel, consumer: LoadedModel, space: CodeSpac
         for t in patch.trainable():
             t.requires_grad_(False)
     patches = [patch.to("cpu") for patch in patches]
-    decoder = PairDecoder(consumer.name, space.fingerprint, weight.detach().cpu().clone(), bias.detach().cpu().clone(),
-                          consumer.fingerprint, patches)
+    decoder = PairDecoder(consumer.name, space.fingerprint, weight.detach().cpu().to(MAP_DTYPE),
+                          bias.detach().cpu().clone(), consumer.fingerprint, patches)
     stats = {
         "windows": n,
         "steps": total,
