@@ -12,6 +12,7 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
+import torch.nn.functional as F
 
 from scd_store.adapters.transformers.calibration.config import CalibrationConfig
 from scd_store.adapters.transformers.calibration.feature_cache import cache_from_features
@@ -19,9 +20,10 @@ from scd_store.adapters.transformers.capture import prefill_capture
 from scd_store.adapters.transformers.compat import cache_kwarg
 from scd_store.adapters.transformers.layout import layout_of
 from scd_store.adapters.transformers.loading import LoadedModel
+from scd_store.codecs.scd.decoder import apply_map, choose_structure
 
-# what the timed passes leave out (loading the models, encoding the teacher windows through the space): the
-# first measured pair took 1.09x its untimed-phases-free estimate on cpu-epyc-avx512-2c
+# what the timed passes leave out (loading the models, encoding the teacher windows through the space, the
+# teacher logits' copies): a measured pair took 1.09x its estimate without headroom on cpu-epyc-avx512-2c
 HEADROOM = 1.15
 
 
@@ -40,8 +42,9 @@ class Estimate:
 
     def line(self, consumers: int, steps: int) -> str:
         minutes = self.total_s / 60
-        return (f"estimated at most ~{minutes:.1f} min on {self.device}: {consumers} consumer(s) x {steps} distillation steps "
-                f"at ~{self.step_s:.2f} s, prefills ~{self.producer_prefill_s:.2f} / {self.consumer_prefill_s:.2f} s")
+        return (f"estimated at most ~{minutes:.1f} min on {self.device}: {consumers} consumer(s) x {steps} "
+                f"distillation steps at ~{self.step_s:.2f} s, prefills ~{self.producer_prefill_s:.2f} / "
+                f"{self.consumer_prefill_s:.2f} s")
 
 
 def _timed(fn) -> float:
@@ -53,16 +56,23 @@ def _timed(fn) -> float:
 
 
 def _step(consumer: LoadedModel, config: CalibrationConfig) -> None:
-    """One distillation-shaped step: random features of the coded prefix, the continuation, a backward."""
+    """One distillation-shaped step: random features of the whole coded prefix through a map of the
+    structure the pair will train (``config.decoder``), the continuation, a KL to random targets, a backward."""
     layout = layout_of(consumer.model)
     b, sinks, device = config.recipe.batch_size, config.recipe.sink_tokens, consumer.device
-    features = torch.randn(b, config.prefix_tokens - sinks, layout.groups, layout.width, device=device,
-                           requires_grad=True)
+    consumer_bytes = 2 * sum(p.numel() for p in consumer.model.parameters())
+    structure = choose_structure(layout.groups, layout.kv_heads, layout.head_dim, consumer_bytes, config.decoder)
+    shape = (layout.groups, layout.width, layout.width) if structure == "dense" else \
+        (layout.groups, layout.kv_heads, layout.head_dim, layout.head_dim)
+    weight = torch.zeros(shape, device=device, requires_grad=True)
+    x = torch.randn(b, config.prefix_tokens - sinks, layout.groups, layout.width, device=device)
+    y = x + apply_map(x, weight)
     sink = torch.zeros(b, layout.num_layers, layout.kv_heads, sinks, layout.head_dim, device=device)
-    cache = cache_from_features(consumer.model, features, sink, sink, layout, sinks)
+    cache = cache_from_features(consumer.model, y, sink, sink, layout, sinks)
     feed = torch.randint(0, consumer.model.config.vocab_size, (b, config.continuation_tokens), device=device)
     logits = consumer.model(input_ids=feed, **{cache_kwarg(consumer.model): cache}, use_cache=True).logits
-    torch.log_softmax(logits, -1).mean().backward()
+    target = torch.log_softmax(torch.randn_like(logits), -1)
+    F.kl_div(torch.log_softmax(logits, -1), target, log_target=True, reduction="none").sum(-1).mean().backward()
 
 
 def estimate(producer: LoadedModel, consumer: LoadedModel, config: CalibrationConfig, consumers: int,
