@@ -79,4 +79,4 @@ def test_cli_writes_the_quality_json(tmp_path):
 def test_cli_reports_an_unknown_consumer_clearly():
     cmd = [sys.executable, "-m", "scd_store.cli.main", "bench", "quality", "--consumer", "nope"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "unknown consumer" in proc.stderr
+    assert proc.returncode == 2 and "unknown model 'nope'" in proc.stderr and "checkpoint directory" in proc.stderr
