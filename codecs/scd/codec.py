@@ -10,7 +10,7 @@ import torch
 from scd_store.codecs.base import Codec, check_buffers
 from scd_store.codecs.kv_state import KVState
 from scd_store.codecs.scd import fused
-from scd_store.codecs.scd.decoder import PairDecoder, centred_codes, code_centres, group_map
+from scd_store.codecs.scd.decoder import PairDecoder, apply_map, centred_codes, code_centres
 from scd_store.codecs.scd.graphs import DecodeGraphs
 from scd_store.codecs.scd.layout import write_token_major
 from scd_store.codecs.scd.patch import aligned_kv
@@ -252,7 +252,7 @@ class ScdCodec(Codec):
                 f = torch.baddbmm(step_offset, q.transpose(1, 2), step_matrix,
                                   out=features[:n * t * layout.width].view(n, t, layout.width))
                 if heads is not None:  # y = x_hat + x_hat W + b, one map per KV head
-                    f.add_(group_map(f, heads[0][groups])).add_(heads[1][groups])
+                    f.add_(apply_map(f.transpose(0, 1), heads[0][groups]).transpose(0, 1)).add_(heads[1][groups])
                 for layer in patched.intersection(range(first, last)):
                     pair = 2 * (layer - first)
                     self._patched(layer, f[pair:pair + 2], None if hidden is None else hidden[lo:hi], device)

@@ -17,6 +17,7 @@ its consumer's weights on geometries with many KV heads (a multi-head-attention 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -55,17 +56,6 @@ class PairDecoder:
     def structure(self) -> str:
         """``"dense"`` or ``"per-head"``."""
         return "dense" if self.weight.dim() == 3 else "per-head"
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of every tensor (what a process holds for this consumer, before folding)."""
-        return sum(t.numel() * t.element_size() for t in self.tensors().values())
-
-    def dense_weight(self) -> torch.Tensor:
-        """``W`` as ``[G, C, C]`` (a per-head map laid out block-diagonally)."""
-        if self.structure == "dense":
-            return self.weight
-        return torch.stack([torch.block_diag(*group.unbind(0)) for group in self.weight])
 
     @classmethod
     def identity(cls, space: CodeSpace, consumer: str, mean_shift: torch.Tensor | None = None) -> PairDecoder:
@@ -106,8 +96,8 @@ class PairDecoder:
         offset = space.mean.double()
         if with_map:  # x_hat -> y = x_hat + x_hat W + b
             weight = self.weight.double()
-            matrix = matrix + group_map(matrix, weight)
-            offset = offset + group_map(offset.unsqueeze(1), weight).squeeze(1) + self.bias.double()
+            matrix = matrix + apply_map(matrix.transpose(0, 1), weight).transpose(0, 1)
+            offset = offset + apply_map(offset, weight) + self.bias.double()
         # z_hat_j = (q_j - levels_j / 2 + 0.5) * step_j, and 0 where a component has no bits
         step = torch.tensor(STEP, dtype=torch.float64)[space.bits] * space.sigma.double()
         # z_hat_j = (s_j + 0.5) * step_j with s_j = q_j - 2^(b_j - 1) (centred) or q_j - centre_j
@@ -117,17 +107,9 @@ class PairDecoder:
         return matrix.to(device=device, dtype=dtype), offset.to(device=device, dtype=dtype)
 
 
-def group_map(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x W`` per group for rows ``x`` ``[G, R, C]`` and a dense ``[G, C, C]`` or per-head ``[G, H, D, D]`` map."""
-    if weight.dim() == 3:
-        return torch.bmm(x, weight)
-    g, r, c = x.shape
-    heads, dim = weight.shape[1], weight.shape[2]
-    return torch.einsum("grhd,ghde->grhe", x.reshape(g, r, heads, dim), weight).reshape(g, r, c)
-
-
 def apply_map(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x W`` for features ``x`` ``[..., G, C]`` (differentiable; what distillation trains through)."""
+    """``x W`` for features ``x`` ``[..., G, C]`` (any strides; differentiable: what distillation trains
+    through) and a dense ``[G, C, C]`` or per-head ``[G, H, D, D]`` map."""
     if weight.dim() == 3:
         return torch.einsum("...gc,gcd->...gd", x, weight)
     heads, dim = weight.shape[1], weight.shape[2]
@@ -137,16 +119,19 @@ def apply_map(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 STRUCTURES = ("auto", "dense", "per-head")
 SIZE_LIMIT = 0.02  # a decoder's bytes against its consumer's own weight bytes
-
-
 MAP_DTYPE = torch.bfloat16  # how a distilled map is kept (its entries are small corrections: 2^-9 relative is plenty)
+
+
+def map_shape(groups: int, kv_heads: int, head_dim: int, structure: str) -> tuple[int, ...]:
+    """The shape of a ``structure`` map: ``[G, C, C]`` dense, ``[G, H, D, D]`` per-head."""
+    width = kv_heads * head_dim
+    return (groups, width, width) if structure == "dense" else (groups, kv_heads, head_dim, head_dim)
 
 
 def decoder_bytes(groups: int, kv_heads: int, head_dim: int, structure: str) -> int:
     """Bytes of a decoder's map (bf16) and bias (fp32) for a geometry (PATCH aligners not counted)."""
-    width = kv_heads * head_dim
-    matrix = width * width if structure == "dense" else kv_heads * head_dim * head_dim
-    return groups * (MAP_DTYPE.itemsize * matrix + 4 * width)
+    matrix = math.prod(map_shape(groups, kv_heads, head_dim, structure))
+    return MAP_DTYPE.itemsize * matrix + 4 * groups * kv_heads * head_dim
 
 
 def choose_structure(groups: int, kv_heads: int, head_dim: int, consumer_bytes: int, requested: str = "auto") -> str:

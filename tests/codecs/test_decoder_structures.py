@@ -22,8 +22,10 @@ def per_head_decoder(space, seed=0):
 def test_a_per_head_decoder_decodes_as_its_block_diagonal_dense_map(matmul):
     space = tiny_space()
     heads = per_head_decoder(space)
-    dense = PairDecoder("dense-consumer", space.fingerprint, heads.dense_weight(), heads.bias, "fp")
-    assert heads.structure == "per-head" and dense.structure == "dense" and heads.nbytes < dense.nbytes
+    block_diagonal = torch.stack([torch.block_diag(*group.unbind(0)) for group in heads.weight])
+    dense = PairDecoder("dense-consumer", space.fingerprint, block_diagonal, heads.bias, "fp")
+    assert heads.structure == "per-head" and dense.structure == "dense"
+    assert heads.weight.numel() * LAYOUT.kv_heads == dense.weight.numel()  # 1/H of the dense map
     state = correlated_state(20, start=3)
     payload = ScdCodec(space).encode(state)
     a = ScdCodec(space, heads, matmul=matmul).decode(payload)

@@ -20,10 +20,24 @@ from scd_store.adapters.transformers.calibration.feature_cache import cache_from
 from scd_store.adapters.transformers.calibration.teacher import TeacherData, collect_teacher, through_space
 from scd_store.adapters.transformers.compat import cache_kwarg
 from scd_store.adapters.transformers.loading import LoadedModel
-from scd_store.codecs.scd.decoder import MAP_DTYPE, PairDecoder, apply_map, choose_structure
+from scd_store.codecs.scd.decoder import MAP_DTYPE, PairDecoder, apply_map, choose_structure, map_shape
+from scd_store.codecs.scd.layout import KVLayout
 from scd_store.codecs.scd.patch import PatchAligner, apply_patches
 from scd_store.codecs.scd.space import CodeSpace
 from scd_store.models.windows import Corpus
+
+
+def map_structure(consumer: LoadedModel, layout: KVLayout, requested: str) -> str:
+    """The decoder map a pair trains: ``requested``, or for ``"auto"`` dense where it stays within 2% of the
+    consumer's own weight bytes as served (bf16), whatever dtype calibration loaded it in."""
+    consumer_bytes = 2 * sum(p.numel() for p in consumer.model.parameters())
+    return choose_structure(layout.groups, layout.kv_heads, layout.head_dim, consumer_bytes, requested)
+
+
+def initial_map(layout: KVLayout, structure: str, device: torch.device | str) -> torch.Tensor:
+    """A zero map of ``structure`` (``y = x`` before training), trainable."""
+    return torch.zeros(map_shape(layout.groups, layout.kv_heads, layout.head_dim, structure), device=device,
+                       requires_grad=True)
 
 
 def distil_decoder(producer: LoadedModel, consumer: LoadedModel, space: CodeSpace, corpus: Corpus,
@@ -41,14 +55,9 @@ def distil_decoder(producer: LoadedModel, consumer: LoadedModel, space: CodeSpac
         teacher = collect_teacher(producer, consumer, corpus, config, space.patch_layers, progress)
     data = through_space(space, teacher, recipe.sink_tokens)
     collect_seconds = time.perf_counter() - start_time
-    g, c = space.layout.groups, space.layout.width
     device = consumer.device
-    layout = space.layout
-    # the consumer's own weight bytes, as served (bf16), whatever dtype calibration loaded it in
-    consumer_bytes = 2 * sum(p.numel() for p in consumer.model.parameters())
-    structure = choose_structure(g, layout.kv_heads, layout.head_dim, consumer_bytes, config.decoder)
-    shape = (g, c, c) if structure == "dense" else (g, layout.kv_heads, layout.head_dim, layout.head_dim)
-    weight = torch.zeros(shape, device=device, requires_grad=True)
+    structure = map_structure(consumer, space.layout, config.decoder)
+    weight = initial_map(space.layout, structure, device)
     bias = data.mean_shift.to(device).requires_grad_(True)
     layers = consumer.model.model.layers
     patches = [PatchAligner.initial(layer, "hidden", layers[layer].self_attn, recipe.patch_units, config.seed)

@@ -15,12 +15,13 @@ import torch
 import torch.nn.functional as F
 
 from scd_store.adapters.transformers.calibration.config import CalibrationConfig
+from scd_store.adapters.transformers.calibration.distillation import initial_map, map_structure
 from scd_store.adapters.transformers.calibration.feature_cache import cache_from_features
 from scd_store.adapters.transformers.capture import prefill_capture
 from scd_store.adapters.transformers.compat import cache_kwarg
 from scd_store.adapters.transformers.layout import layout_of
 from scd_store.adapters.transformers.loading import LoadedModel
-from scd_store.codecs.scd.decoder import apply_map, choose_structure
+from scd_store.codecs.scd.decoder import apply_map
 
 # what the timed passes leave out (loading the models, encoding the teacher windows through the space, the
 # teacher logits' copies): a measured pair took 1.09x its estimate without headroom on cpu-epyc-avx512-2c
@@ -60,11 +61,7 @@ def _step(consumer: LoadedModel, config: CalibrationConfig) -> None:
     structure the pair will train (``config.decoder``), the continuation, a KL to random targets, a backward."""
     layout = layout_of(consumer.model)
     b, sinks, device = config.recipe.batch_size, config.recipe.sink_tokens, consumer.device
-    consumer_bytes = 2 * sum(p.numel() for p in consumer.model.parameters())
-    structure = choose_structure(layout.groups, layout.kv_heads, layout.head_dim, consumer_bytes, config.decoder)
-    shape = (layout.groups, layout.width, layout.width) if structure == "dense" else \
-        (layout.groups, layout.kv_heads, layout.head_dim, layout.head_dim)
-    weight = torch.zeros(shape, device=device, requires_grad=True)
+    weight = initial_map(layout, map_structure(consumer, layout, config.decoder), device)
     x = torch.randn(b, config.prefix_tokens - sinks, layout.groups, layout.width, device=device)
     y = x + apply_map(x, weight)
     sink = torch.zeros(b, layout.num_layers, layout.kv_heads, sinks, layout.head_dim, device=device)
