@@ -38,24 +38,18 @@ class LoadedModel:
 def load_model(name_or_path: str | ModelSource, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Load by catalog name (prepared under the data dir), checkpoint directory path or :class:`ModelSource`
-    (a PEFT adapter is merged into its base's weights with PEFT's own ``merge_and_unload``)."""
-    if isinstance(name_or_path, ModelSource):
-        source = name_or_path
-        model, tokenizer = load_local(source.path, dtype=dtype)
-        if source.adapter is not None:
-            model = merge_peft_adapter(model, source.adapter)
-        elif (source.path / MANIFEST).exists() and source.name == read_manifest(source.path)["name"]:
-            model.to(device)
-            return LoadedModel(source.name, model, tokenizer, read_manifest(source.path)["weights_fingerprint"])
-        model.to(device)
-        return LoadedModel(source.name, model, tokenizer, tensors_fingerprint(model.state_dict()))
-    path = Path(model_dir(name_or_path))
+    (a PEFT adapter is merged into its base's weights with PEFT's own ``merge_and_unload``). The weights'
+    fingerprint is the prepared manifest's when one describes them, else computed."""
+    source = name_or_path if isinstance(name_or_path, ModelSource) else None
+    path = source.path if source is not None else Path(model_dir(name_or_path))
+    manifest = read_manifest(path) if (path / MANIFEST).exists() else None
     model, tokenizer = load_local(path, dtype=dtype)
+    if source is not None and source.adapter is not None:
+        model, manifest = merge_peft_adapter(model, source.adapter), None
     model.to(device)
-    if (path / MANIFEST).exists():
-        manifest = read_manifest(path)
-        return LoadedModel(manifest["name"], model, tokenizer, manifest["weights_fingerprint"])
-    return LoadedModel(path.name, model, tokenizer, tensors_fingerprint(model.state_dict()))
+    name = source.name if source is not None else manifest["name"] if manifest else path.name
+    fingerprint = manifest["weights_fingerprint"] if manifest else tensors_fingerprint(model.state_dict())
+    return LoadedModel(name, model, tokenizer, fingerprint)
 
 
 def merge_peft_adapter(model: torch.nn.Module, adapter: Path) -> torch.nn.Module:

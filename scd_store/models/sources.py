@@ -8,6 +8,7 @@ be the name the engine serves it under (vLLM's ``--lora-modules NAME=PATH``).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -79,10 +80,10 @@ def _check_adapter(path: Path) -> None:
     kind = config.get("peft_type") if isinstance(config, dict) else None
     if kind != "LORA":
         raise ModelSpecError(f"{path}: a {kind!r} adapter; only PEFT LoRA adapters are merged")
-    if not any((path / f).is_file() for f in ("adapter_model.safetensors", "adapter_model.bin")):
+    if not (path / "adapter_model.safetensors").is_file():
+        if (path / "adapter_model.bin").is_file():
+            raise ModelSpecError(f"{path}: only a pickled adapter_model.bin; scd-store loads safetensors only")
         raise ModelSpecError(f"{path}: no adapter_model.safetensors")
-    if (path / "adapter_model.bin").is_file() and not (path / "adapter_model.safetensors").is_file():
-        raise ModelSpecError(f"{path}: only a pickled adapter_model.bin; scd-store loads safetensors only")
 
 
 # what must agree between a producer and a consumer for the consumer to read the producer's codes
@@ -91,21 +92,34 @@ _SHARED = ("model_type", "num_hidden_layers", "num_key_value_heads", "hidden_siz
            "layer_types", "partial_rotary_factor")
 
 
+@functools.cache
+def tokenizer_of(path: Path):  # noqa: ANN201 - a transformers tokenizer
+    """The tokenizer of the checkpoint at ``path``, read once per process (pre-flight checks share it)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+@functools.cache
+def _config(path: Path) -> dict:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(path)).to_dict()
+
+
 def check_pair(producer: ModelSource, consumer: ModelSource) -> None:
     """Raise :class:`ModelSpecError` unless ``consumer`` has ``producer``'s architecture and tokenizer
     (read from the config and tokenizer files: no weights are loaded)."""
-    from transformers import AutoConfig, AutoTokenizer
-
     if consumer.adapter is not None:
         return  # merged onto the producer itself
-    configs = [AutoConfig.from_pretrained(str(m.path)).to_dict() for m in (producer, consumer)]
+    configs = [_config(m.path) for m in (producer, consumer)]
     differ = [k for k in _SHARED if configs[0].get(k) != configs[1].get(k)]
     if differ:
         details = ", ".join(f"{k}: {configs[0].get(k)!r} vs {configs[1].get(k)!r}" for k in differ)
         raise ModelSpecError(f"consumer {consumer.name} does not fit producer {producer.name}'s architecture "
                              f"({details}): a consumer must be a fine-tune of the producer")
     probe = "The quick brown fox: def main(): return 42 \u00e9\u4e2d"
-    tokenizers = [AutoTokenizer.from_pretrained(str(m.path)) for m in (producer, consumer)]
+    tokenizers = [tokenizer_of(m.path) for m in (producer, consumer)]
     if tokenizers[0].get_vocab() != tokenizers[1].get_vocab() or \
             tokenizers[0](probe)["input_ids"] != tokenizers[1](probe)["input_ids"]:
         raise ModelSpecError(f"consumer {consumer.name} tokenizes text differently from producer {producer.name}: "

@@ -64,7 +64,7 @@ def test_short_documents_are_packed_and_long_ones_cut_alone(tmp_path):
     for i in range(6):  # 6 short notes of 3 tokens + a separator each: 24 packed tokens, 2 windows
         (tmp_path / f"note{i}.txt").write_text("a bb ccc")
     text, tokenizer = UserText((str(tmp_path),)), WordTokenizer()
-    assert count_windows(tokenizer, text, 10) == 4
+    assert count_windows(tokenizer, text, (10,)) == {10: 4}
     windows = eval_windows(tokenizer, text, 4, 10, seed=0)
     assert sorted(w.tolist() for w in windows)[0] == [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]
     assert [1, 2, 3, 0, 1, 2, 3, 0, 1, 2] in [w.tolist() for w in windows]

@@ -14,8 +14,6 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from transformers import AutoTokenizer
-
 from scd_store.adapters.transformers.calibration.config import DEFAULT_BUDGET, CalibrationConfig
 from scd_store.adapters.transformers.calibration.distillation import distil_decoder
 from scd_store.adapters.transformers.calibration.estimate import estimate
@@ -26,7 +24,7 @@ from scd_store.adapters.transformers.calibration.text import calibration_windows
 from scd_store.adapters.transformers.loading import LoadedModel, load_model
 from scd_store.codecs.scd.bundle import load_space, save_pair, save_space
 from scd_store.models import catalog
-from scd_store.models.sources import ModelSource, check_pair, resolve
+from scd_store.models.sources import ModelSource, check_pair, resolve, tokenizer_of
 from scd_store.models.windows import Corpus, corpus_name, count_windows
 
 
@@ -57,24 +55,20 @@ def plan_pairs(producer: ModelSource, consumers: list[str | ModelSource], text: 
 def check_text(producer: ModelSource, plans: list[PairPlan], config: CalibrationConfig, space: bool,
                ranking: bool) -> None:
     """Raise ``ValueError`` unless every text holds the windows the plan draws (before any model loads)."""
-    tokenizer = AutoTokenizer.from_pretrained(str(producer.path))
     window = config.prefix_tokens + config.continuation_tokens
-    needs: dict[str, tuple[Corpus, list[tuple[int, int, str]]]] = {}
-    for plan in plans:
-        name = corpus_name(plan.corpus)
-        _, wanted = needs.setdefault(name, (plan.corpus, []))
-        wanted.append((config.distill_windows, window, "distillation windows (--windows)"))
-        if ranking:
-            wanted.append((config.recipe.selection_windows, window, "PATCH layer-selection windows"))
-        if space:
-            wanted.append((config.basis_windows, config.prefix_tokens, "code-space windows"))
-    for name, (corpus, wanted) in needs.items():
+    wanted = [(config.distill_windows, window, "distillation windows (--windows)")]
+    if ranking:
+        wanted.append((config.recipe.selection_windows, window, "PATCH layer-selection windows"))
+    if space:
+        wanted.append((config.basis_windows, config.prefix_tokens, "code-space windows"))
+    corpora = {corpus_name(plan.corpus): plan.corpus for plan in plans}  # consumers sharing a text: checked once
+    for name, corpus in corpora.items():
+        have = count_windows(tokenizer_of(producer.path), corpus, tuple({n for _, n, _ in wanted}), split="calib")
         for count, length, what in wanted:
-            have = count_windows(tokenizer, corpus, length, split="calib")
-            if have < count:
+            if have[length] < count:
                 raise ValueError(f"too little calibration text in {name}: {count} {what} of {length} tokens are "
-                                 f"drawn, it holds {have} ({have * length:,} tokens of the ~{count * length:,} "
-                                 "needed); add text or lower --windows / --prefix-tokens")
+                                 f"drawn, it holds {have[length]} ({have[length] * length:,} tokens of the "
+                                 f"~{count * length:,} needed); add text or lower --windows / --prefix-tokens")
 
 
 def layer_ranking(producer: LoadedModel, consumers: list[LoadedModel], plans: list[PairPlan],
