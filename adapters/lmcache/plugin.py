@@ -87,7 +87,8 @@ class ScdStoragePlugin(StoragePluginInterface):
     def _check_layout(self, metadata: Any) -> None:
         binding = self.service.binding(self.model)
         if binding is None:
-            log.warning("scd-store LMCache plugin: model %r is in no bundle (bound: %s); every request misses",
+            log.warning("scd-store LMCache plugin: model %r is in no bundle (bound: %s); its requests miss until "
+                        "a pair or space naming it is registered (scd-store register)",
                         self.model, self.service.models())
             return
         layout = binding.space.layout

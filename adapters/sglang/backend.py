@@ -90,7 +90,8 @@ class ScdHiCacheStorage(HiCacheStorage):
             raise
         self.binding = self.service.binding(self.model)
         if self.binding is None:
-            log.warning("scd-store SGLang backend: model %r is in no bundle (bound: %s); every request misses",
+            log.warning("scd-store SGLang backend: model %r is in no bundle (bound: %s); its requests miss until "
+                        "a pair or space naming it is registered (scd-store register)",
                         self.model, self.service.models())
         self.mem_pool_host: Any = None
         self._once = LogOnce(log)

@@ -56,6 +56,10 @@ class Bindings:
         """The binding of an engine model name (after aliases), or None for a model scd-store does not serve."""
         return self._by_model.get(self.aliases.get(model, model))
 
+    def space(self, fingerprint: str) -> CodeSpace | None:
+        """A code space a binding already holds, by fingerprint (a model bound later shares it)."""
+        return next((b.space for b in list(self._by_model.values()) if b.space.fingerprint == fingerprint), None)
+
     def roles(self) -> dict[str, str]:
         """Every bound model name and its role."""
         return {name: b.role for name, b in sorted(self._by_model.items())}

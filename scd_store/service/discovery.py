@@ -34,7 +34,6 @@ class PairDiscovery:
         self.registry, self.bindings, self.stats, self.interval_s = registry, bindings, stats, interval_s
         self._wanted: set[str] = set()
         self._lock = threading.Lock()
-        self._spaces: dict[tuple[str, str], CodeSpace] = {}
         self._once = LogOnce(log)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -97,14 +96,16 @@ class PairDiscovery:
         return bound
 
     def _space(self, path: str, space_id: str, fingerprint: str) -> CodeSpace:
-        key = (path, space_id)
-        if key not in self._spaces:
-            space = load_space(Path(path))
-            if space.space_id != space_id or space.fingerprint != fingerprint:
-                raise BundleError(f"the bundle at {path} holds space {space.space_id} {space.fingerprint}, the "
-                                  f"registry registered {space_id} {fingerprint}")
-            self._spaces[key] = space
-        return self._spaces[key]
+        """The registered space: the one a binding of this process already holds (from ``bundles`` or an
+        earlier discovery), else loaded from ``path`` and checked against the registry."""
+        held = self.bindings.space(fingerprint)
+        if held is not None and held.space_id == space_id:
+            return held
+        space = load_space(Path(path))
+        if space.space_id != space_id or space.fingerprint != fingerprint:
+            raise BundleError(f"the bundle at {path} holds space {space.space_id} {space.fingerprint}, the "
+                              f"registry registered {space_id} {fingerprint}")
+        return space
 
     def _consumer(self, pair, spaces, locations: dict[str, str]) -> Binding:
         path = locations.get(pair.pair_id)

@@ -33,6 +33,7 @@ def test_a_pair_registered_later_is_bound_on_its_models_first_request(store, tmp
     register_bundle(later, FileRegistry(tmp_path / "reg.json"), chunk_size=8)
     assert service.discovery.poll_once() == ["newcomer"]
     assert service.contains("newcomer", HASHES) == 2 and len(service.get("newcomer", HASHES)) == 2
+    assert service.binding("newcomer").space is service.binding(PRODUCER).space  # the space is not loaded twice
     assert counter(service, "discovered_models") == 1
     service.close()
 
