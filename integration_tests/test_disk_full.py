@@ -33,7 +33,7 @@ def small_fs(tmp_path):
 def test_full_disk_is_a_counted_miss_and_recovers(small_fs, tmp_path):
     registry = FileRegistry(tmp_path / "registry.json")
     registry.register_space(Space("sp", "prod", "p-fp", "s-fp", chunk_size=4))
-    registry.register_pair(Pair("pair", "sp", "cons", "c-fp", "pair-fp"))
+    registry.register_pair(Pair("pair", "sp", "cons", "c-fp", "pair-fp", "s-fp"))
     filler = small_fs / "filler"
     filler.write_bytes(b"\0" * (400 << 10))  # leaves ~100 KiB: two 40 KiB blobs fit, then ENOSPC
     disk = DiskTier(small_fs / "store", 64 << 20)
@@ -66,4 +66,4 @@ def test_full_disk_is_a_counted_miss_and_recovers(small_fs, tmp_path):
 
 
 def store_keys(store: TieredStore) -> list[str]:
-    return keys_of("sp", TOKENS, store.chunk_size)
+    return keys_of("sp", "s-fp", TOKENS, store.chunk_size)

@@ -26,7 +26,7 @@ def test_outage_mid_run(tmp_path):
     config = SoakConfig(server.url, prefixes=50, max_bytes=8 << 10)
     registry = FileRegistry(tmp_path / "registry.json")
     registry.register_space(Space(SPACE, PRODUCER, "p-fp", "soak-fp", codec_id="raw", chunk_size=CHUNK))
-    registry.register_pair(Pair(PAIR, SPACE, "soak-consumer", "c-fp", "pair-fp"))
+    registry.register_pair(Pair(PAIR, SPACE, "soak-consumer", "c-fp", "pair-fp", "soak-fp"))
     store = TieredStore([CpuTier(256 << 10), RedisTier(server.url, socket_timeout=OP_TIMEOUT, connect_timeout=0.3)],
                         registry, chunk_size=CHUNK, op_timeout_s=OP_TIMEOUT, put_timeout_s=2.0,
                         backoff_min_s=0.05, backoff_max_s=0.3)
@@ -34,7 +34,7 @@ def test_outage_mid_run(tmp_path):
     done = {"total": 0, "during_outage": 0, "errors": 0, "torn": 0, "max_latency": 0.0}
     lock = threading.Lock()
     stop = time.monotonic() + 5.0
-    producer, consumer = store.producer(SPACE, PRODUCER), store.consumer(PAIR, "soak-consumer")
+    producer, consumer = store.producer(SPACE, PRODUCER, "soak-fp"), store.consumer(PAIR, "soak-consumer", "soak-fp")
 
     def client(seed: int) -> None:
         rng = random.Random(seed)
@@ -44,7 +44,7 @@ def test_outage_mid_run(tmp_path):
             t0 = time.monotonic()
             try:
                 if rng.random() < 0.4:
-                    payloads = [payload_for(k, config) for k in keys_of(SPACE, tokens, CHUNK)]
+                    payloads = [payload_for(k, config) for k in keys_of(SPACE, "soak-fp", tokens, CHUNK)]
                     producer.put(hashes, payloads, [CHUNK] * len(hashes), codec_id="raw")
                 elif rng.random() < 0.7:
                     chunks = consumer.get(hashes)
@@ -84,7 +84,7 @@ def test_outage_mid_run(tmp_path):
             time.sleep(0.05)
         assert not store.health["redis"].down  # recovered by itself
         tokens = prefix_tokens(999, 2)
-        payloads = [payload_for(k, config) for k in keys_of(SPACE, tokens, CHUNK)]
+        payloads = [payload_for(k, config) for k in keys_of(SPACE, "soak-fp", tokens, CHUNK)]
         keys = producer.put(chunk_hashes(tokens, CHUNK), payloads, [CHUNK, CHUNK], codec_id="raw")
         store.flush()
         assert redis.Redis(host="127.0.0.1", port=server.port).exists(*keys) == len(keys)

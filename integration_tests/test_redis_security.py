@@ -16,7 +16,7 @@ from scd_store.store.tiers.redis_tier import RedisTier
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl makes the test certificates")
 
 SPACE = Space("sec", "producer-m", "prod-fp", "space-fp", chunk_size=4)
-PAIR = Pair("sec-pair", "sec", "consumer-m", "cons-fp", "pair-fp")
+PAIR = Pair("sec-pair", "sec", "consumer-m", "cons-fp", "pair-fp", "space-fp")
 TOKENS = list(range(16))
 PAYLOADS = [bytes([i]) * 500 for i in range(4)]
 

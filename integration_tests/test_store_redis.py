@@ -21,7 +21,7 @@ from scd_store.store.tiers.cpu import CpuTier
 from scd_store.store.tiers.redis_tier import RedisTier
 
 SPACE = Space("sp", "producer-m", "prod-fp", "space-fp", chunk_size=4, raw_kv_bytes_per_token=500)
-PAIR = Pair("pair", "sp", "consumer-m", "cons-fp", "pair-fp")
+PAIR = Pair("pair", "sp", "consumer-m", "cons-fp", "pair-fp", "space-fp")
 TOKENS = list(range(4 * 8))
 PAYLOADS = [bytes([i]) * (1000 + i) for i in range(8)]
 
@@ -74,19 +74,19 @@ async def _tier_round_trip(tier: RedisTier, keys: list[str]) -> None:
 
 
 def test_standalone_round_trip(server, raw) -> None:
-    run(_tier_round_trip(RedisTier(server.url), keys_of("sp", list(range(40)), 4)))
+    run(_tier_round_trip(RedisTier(server.url), keys_of("sp", "space-fp", list(range(40)), 4)))
     assert raw.dbsize() == 9
 
 
 def test_cluster_round_trip_across_slots(cluster) -> None:
-    keys = keys_of("sp", list(range(200)), 4)  # 50 keys spread over the 3 masters
+    keys = keys_of("sp", "space-fp", list(range(200)), 4)  # 50 keys spread over the 3 masters
     run(_tier_round_trip(RedisTier(cluster.url), keys))
     sizes = [int(n.cli("DBSIZE").strip()) for n in cluster.nodes]
     assert sum(sizes) == len(keys) - 1 and all(s > 0 for s in sizes)  # one key was deleted
 
 
 def test_ttl(server, raw) -> None:
-    key = keys_of("sp", [1, 2, 3, 4], 4)[0]
+    key = keys_of("sp", "space-fp", [1, 2, 3, 4], 4)[0]
 
     async def go() -> bytes | None:
         tier = RedisTier(server.url, ttl_s=0.3)
@@ -103,7 +103,7 @@ def test_ttl(server, raw) -> None:
 
 
 def test_max_value_bytes_and_server_maxmemory(tmp_path) -> None:
-    keys = keys_of("sp", list(range(4 * 40)), 4)
+    keys = keys_of("sp", "space-fp", list(range(4 * 40)), 4)
     with RedisServer(tmp_path / "small") as srv:
         async def go() -> RedisTier:
             tier = RedisTier(srv.url, max_value_bytes=1 << 20, server_maxmemory=4 << 20)
@@ -151,7 +151,7 @@ def test_store_over_cluster(cluster, registry) -> None:
         store.flush()
         for key in keys:
             store.tiers[0].delete_now(key)
-        assert store.consumer("pair", "consumer-m").lookup(chunk_hashes(TOKENS, 4)).tiers == ("redis",) * 8
+        assert store.consumer("pair", "consumer-m", "space-fp").lookup(chunk_hashes(TOKENS, 4)).tiers == ("redis",) * 8
         assert [bytes(c.payload) for c in get_tokens(store, "pair", "consumer-m", TOKENS)] == PAYLOADS
     finally:
         store.close()

@@ -87,7 +87,7 @@ def test_the_producer_stores_the_engines_own_kv(stored, producer, shakespeare, p
     space = binding.codec.space
     own, _ = prefill_capture(producer.model, torch.tensor(prompt[:CHUNK * CHUNKS]))
     pair = service.binding(shakespeare.name)
-    chunks = service.store.consumer(pair.pair_id, pair.model).get(hashes)
+    chunks = service.store.consumer(pair.pair_id, pair.model, pair.space.fingerprint).get(hashes)
     for i, chunk in enumerate(chunks):
         part = KVState(own.keys[:, :, i * CHUNK:(i + 1) * CHUNK].contiguous(),
                        own.values[:, :, i * CHUNK:(i + 1) * CHUNK].contiguous(), start=i * CHUNK)

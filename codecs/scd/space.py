@@ -73,6 +73,7 @@ class CodeSpace:
     sink_tokens: int = 4
     producer_fingerprint: str = ""
     hidden: HiddenCode | None = None
+    max_positions: int = field(default=32768, repr=False, compare=False)  # bound on a payload's start + tokens
     _fingerprint: str = field(default="", repr=False)
     _plans: tuple[PackingPlan, PackingPlan | None] | None = field(default=None, init=False, repr=False)
 
@@ -214,6 +215,9 @@ class CodeSpace:
             raise PayloadError(f"scd payload is inconsistent: {exc}") from None
         if start < 0 or tokens < sinks or sinks != max(0, min(self.sink_tokens - start, tokens)):
             raise PayloadError("payload token counts are inconsistent")
+        if start + tokens > self.max_positions:
+            raise PayloadError(f"payload reaches position {start + tokens}, past this process's bound "
+                               f"{self.max_positions} (the engine's context length): refused before decoding")
         return start, tokens, sinks
 
     def codes_from(self, meta: dict, t: dict[str, torch.Tensor], device: torch.device | str = "cpu") -> SpaceCodes:

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from scd_store.bench.fuzz import fuzz_all
-from scd_store.store.keys import chunk_hashes, hash_keys
+from scd_store.store.keys import chunk_hashes
 from scd_store.store.registry import Pair, RedisRegistry, Space
 from scd_store.store.tiered import TieredStore
 from scd_store.store.tiers.cpu import CpuTier
@@ -81,7 +81,7 @@ def payload_for(key: str, config: SoakConfig) -> bytes:
 def open_soak_store(config: SoakConfig) -> TieredStore:
     registry = RedisRegistry(config.redis_url)
     registry.register_space(Space(SPACE, PRODUCER, "p-fp", "soak-fp", codec_id="raw", chunk_size=CHUNK))
-    registry.register_pair(Pair(PAIR, SPACE, CONSUMER, "c-fp", "pair-fp"))
+    registry.register_pair(Pair(PAIR, SPACE, CONSUMER, "c-fp", "pair-fp", "soak-fp"))
     return TieredStore([CpuTier(config.cpu_tier_bytes), RedisTier(config.redis_url)], registry, chunk_size=CHUNK,
                        op_timeout_s=5.0, put_timeout_s=30.0, queue_size=512)
 
@@ -91,14 +91,14 @@ def client(store: TieredStore, config: SoakConfig, client_id: int, ops: int) -> 
     latency: dict[str, list[float]] = {"put": [], "get": [], "lookup": []}
     acked: list[str] = []
     torn = 0
-    producer, consumer = store.producer(SPACE, PRODUCER), store.consumer(PAIR, CONSUMER)
+    producer, consumer = store.producer(SPACE, PRODUCER, "soak-fp"), store.consumer(PAIR, CONSUMER, "soak-fp")
     for _ in range(ops):
         index = rng.randrange(config.prefixes)
         hashes = chunk_hashes(prefix_tokens(index, config.chunks_per_prefix), CHUNK)
         roll = rng.random()
         t0 = time.perf_counter()
         if roll < 0.4:
-            payloads = [payload_for(k, config) for k in hash_keys(SPACE, hashes)]
+            payloads = [payload_for(k, config) for k in producer.keys(hashes)]
             done = producer.put(hashes, payloads, [CHUNK] * len(hashes), codec_id="raw")
             latency["put"].append(time.perf_counter() - t0)
             acked.extend(done)

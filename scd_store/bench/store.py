@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from scd_store.store.keys import chunk_hashes, hash_keys
+from scd_store.store.keys import chunk_hashes, generation_of, hash_keys
 from scd_store.store.registry import FileRegistry, Pair, Space
 from scd_store.store.tiered import TieredStore
 from scd_store.store.tiers.cpu import CpuTier
@@ -46,7 +46,7 @@ TARGETS = {"cpu_get_vs_memcpy_min": 0.5, "redis_vs_raw_min": 0.8, "lookup32_p99_
 
 def _keys(n: int) -> list[str]:
     """Store keys of ``n`` distinct chunks (256 tokens each) in the bench space."""
-    return hash_keys("bench", chunk_hashes(list(range(256 * n)), 256))
+    return hash_keys("bench", generation_of("s-fp"), chunk_hashes(list(range(256 * n)), 256))
 
 
 def _ops_for(size: int, quick: bool) -> int:
@@ -75,7 +75,7 @@ def bench_cpu(sizes: tuple[int, ...], quick: bool, work: Path) -> dict[str, Any]
     out: dict[str, Any] = {}
     registry = FileRegistry(work / "registry.json")
     registry.register_space(Space("bench", "producer", "p-fp", "s-fp", chunk_size=256))
-    registry.register_pair(Pair("bench-pair", "bench", "consumer", "c-fp", "pair-fp"))
+    registry.register_pair(Pair("bench-pair", "bench", "consumer", "c-fp", "pair-fp", "s-fp"))
     for size in sizes:
         out[str(size)] = _cpu_size(size, _ops_for(size, quick), registry)
     return out
@@ -84,12 +84,12 @@ def bench_cpu(sizes: tuple[int, ...], quick: bool, work: Path) -> dict[str, Any]
 def _cpu_size(size: int, n: int, registry: FileRegistry) -> dict[str, Any]:
     tier = CpuTier(max(64 << 20, 2 * n * size))
     store = TieredStore([CpuTier(256 << 20)], registry, chunk_size=256)
-    consumer = store.consumer("bench-pair", "consumer")
+    consumer = store.consumer("bench-pair", "consumer", "s-fp")
     values = [os.urandom(size) for _ in range(4)]
     dst = bytearray(size)
     keys = _keys(n)
     one_chunk = chunk_hashes(list(range(256)), 256)
-    store.producer("bench", "producer").put(one_chunk, values[:1], [256], codec_id="bench")
+    store.producer("bench", "producer", "s-fp").put(one_chunk, values[:1], [256], codec_id="bench")
     assert bytes(consumer.get(one_chunk)[0].payload) == values[0]
     put_t, get_t, ref_t, store_t = [], [], [], []
     for i, key in enumerate(keys):
@@ -223,13 +223,13 @@ def _redis_size(size: int, n: int, tier: RedisTier, raw: Any, loop: asyncio.Abst
 def bench_lookup(work: Path, quick: bool, chunks: int = 32) -> dict[str, Any]:
     registry = FileRegistry(work / "lookup-registry.json")
     registry.register_space(Space("look", "producer", "p-fp", "s-fp", chunk_size=256))
-    registry.register_pair(Pair("look-pair", "look", "consumer", "c-fp", "pair-fp"))
+    registry.register_pair(Pair("look-pair", "look", "consumer", "c-fp", "pair-fp", "s-fp"))
     store = TieredStore([CpuTier(64 << 20)], registry, chunk_size=256)
     try:
         tokens = np.random.default_rng(0).integers(0, 50000, 256 * chunks).tolist()
         hashes = chunk_hashes(tokens, 256)
-        store.producer("look", "producer").put(hashes, [b"x" * 1024] * chunks, [256] * chunks, codec_id="bench")
-        consumer = store.consumer("look-pair", "consumer")
+        store.producer("look", "producer", "s-fp").put(hashes, [b"x" * 1024] * chunks, [256] * chunks, codec_id="bench")
+        consumer = store.consumer("look-pair", "consumer", "s-fp")
         array = np.asarray(tokens, dtype=np.int64)
         result: dict[str, Any] = {"chunks": chunks}
         cases: dict[str, Callable[[], int]] = {

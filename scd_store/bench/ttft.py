@@ -103,15 +103,15 @@ def store_get_s(payload: bytes, chunk_blobs: int, repeats: int) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         registry = FileRegistry(Path(tmp) / "registry.json")
         registry.register_space(Space("ttft", "p", "p-fp", "ttft-fp", codec_id="bench", chunk_size=1))
-        registry.register_pair(Pair("ttft-pair", "ttft", "c", "c-fp", "pair-fp"))
+        registry.register_pair(Pair("ttft-pair", "ttft", "c", "c-fp", "pair-fp", "ttft-fp"))
         store = TieredStore([CpuTier(4 * len(payload) + (64 << 20))], registry, chunk_size=1)
         try:
             n = max(1, chunk_blobs)
             step = -(-len(payload) // n)
             parts = [payload[i * step:(i + 1) * step] for i in range(n)]
             hashes = chunk_hashes(list(range(n)), 1)
-            store.producer("ttft", "p").put(hashes, parts, [1] * n, codec_id="bench")
-            view = store.consumer("ttft-pair", "c")
+            store.producer("ttft", "p", "ttft-fp").put(hashes, parts, [1] * n, codec_id="bench")
+            view = store.consumer("ttft-pair", "c", "ttft-fp")
             return timed_median(lambda: view.get(hashes), repeats, "cpu")
         finally:
             store.close()

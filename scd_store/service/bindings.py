@@ -39,10 +39,15 @@ def pair_id_for(space_id: str, consumer: str) -> str:
 
 class Bindings:
     """Engine model names to bindings; ``aliases`` maps an engine's name (a served-model name, a
-    checkpoint path) to the name the bundle knows the model by. A model is bound at most once."""
+    checkpoint path) to the name the bundle knows the model by. A model is bound at most once. Every
+    bound space refuses payloads reaching past ``max_positions`` (the engine's context length) before
+    anything is allocated for them."""
 
-    def __init__(self, aliases: Mapping[str, str] | None = None) -> None:
+    def __init__(self, aliases: Mapping[str, str] | None = None, max_positions: int = 32768) -> None:
+        if max_positions <= 0:
+            raise ServiceError(f"max_positions must be positive, got {max_positions}")
         self.aliases = dict(aliases or {})
+        self.max_positions = max_positions
         self._by_model: dict[str, Binding] = {}
 
     def add(self, binding: Binding) -> None:
@@ -50,6 +55,7 @@ class Bindings:
         if other is not None:
             raise ServiceError(f"model {binding.model!r} is bound twice: as {other.role} of space "
                                f"{other.space.space_id!r} and as {binding.role} of {binding.space.space_id!r}")
+        binding.space.max_positions = self.max_positions
         self._by_model[binding.model] = binding
 
     def get(self, model: str) -> Binding | None:

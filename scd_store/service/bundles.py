@@ -1,12 +1,16 @@
 """Calibration bundles into a running service: register their space and pairs, bind their models.
 
-Registration is idempotent; a registry record that differs from the bundle's is an error unless
-the caller owns the registry (``replace=True``, e.g. the demo's). Each record's bundle directory is
-recorded too, so engines started earlier find pairs registered later (:mod:`scd_store.service.discovery`).
+Registration is idempotent and reads before it writes (a record already there as it should be is
+not written again); a registry record that differs from the bundle's is an error unless the caller
+owns the registry (``replace=True``, e.g. the demo's). Each record's bundle directory is recorded
+too, so engines started earlier find pairs registered later (:mod:`scd_store.service.discovery`).
+Engines that may not write the registry (``register_bundles: false``, the least-privilege setting)
+only check it: :func:`bind_registered` binds what an operator registered (``scd-store register``).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection
 from pathlib import Path
 
@@ -21,7 +25,10 @@ from scd_store.codecs.scd.bundle import (
 from scd_store.codecs.scd.codec import ScdCodec
 from scd_store.codecs.scd.space import CodeSpace
 from scd_store.service.bindings import Binding, ServiceError, pair_id_for
-from scd_store.store.registry import Pair, Registry, Space
+from scd_store.store.records import NotRegistered, Pair, RegistryError, Space
+from scd_store.store.registry import Registry
+
+log = logging.getLogger("scd_store.service")
 
 
 def space_record(bundle: Path, space: CodeSpace, chunk_size: int) -> Space:
@@ -42,18 +49,18 @@ def _pair_manifest(bundle: Path, consumer: str, space: CodeSpace) -> dict:
     return manifest
 
 
-def register_bundle(bundle: Path, registry: Registry, *, chunk_size: int, replace: bool = False,
-                    load: Collection[str] | None = None
-                    ) -> tuple[Space, CodeSpace, list[tuple[Pair, Binding | None]]]:
-    """Register ``bundle``'s space and every pair and record where the bundle lies. Returns the space and
-    its pairs, each with its consumer binding: decoders are loaded (their tensors checked against their
-    manifests) for every pair, or only for the consumers in ``load`` (the others: None, manifest only)."""
+def _ensure_location(registry: Registry, ident: str, path: str) -> None:
+    if registry.locations().get(ident) != path:
+        registry.record_location(ident, path)
+
+
+def _bundle_records(bundle: Path, load: Collection[str] | None, chunk_size: int
+                    ) -> tuple[Path, CodeSpace, Space, list[tuple[Pair, Binding | None]]]:
+    """The space record and every pair record of ``bundle``, with consumer bindings for ``load``."""
     if not (bundle / "space.json").is_file():
         raise ServiceError(f"{bundle} is not a calibration bundle (no space.json)")
     bundle = bundle.resolve()
     space = load_space(bundle)
-    record = registry.register_space(space_record(bundle, space, chunk_size), replace=replace)
-    registry.record_location(space.space_id, str(bundle))
     pairs = []
     for consumer in pair_names(bundle):
         pair_id = pair_id_for(space.space_id, consumer)
@@ -65,16 +72,73 @@ def register_bundle(bundle: Path, registry: Registry, *, chunk_size: int, replac
         else:
             manifest = _pair_manifest(bundle, consumer, space)
             fingerprints = manifest.get("consumer_fingerprint"), manifest.get("content_fingerprint") or ""
-        pair = registry.register_pair(Pair(pair_id, space.space_id, consumer, fingerprints[0] or "unknown",
-                                           fingerprints[1]), replace=replace)
-        registry.record_location(pair_id, str(bundle))
-        pairs.append((pair, binding))
+        pairs.append((Pair(pair_id, space.space_id, consumer, fingerprints[0] or "unknown", fingerprints[1],
+                           space.fingerprint), binding))
+    return bundle, space, space_record(bundle, space, chunk_size), pairs
+
+
+def register_bundle(bundle: Path, registry: Registry, *, chunk_size: int, replace: bool = False,
+                    load: Collection[str] | None = None
+                    ) -> tuple[Space, CodeSpace, list[tuple[Pair, Binding | None]]]:
+    """Register ``bundle``'s space and every pair and record where the bundle lies (writing only what is
+    missing or, with ``replace``, different). Returns the space and its pairs, each with its consumer
+    binding: decoders are loaded (their tensors checked against their manifests) for every pair, or only
+    for the consumers in ``load`` (the others: None, manifest only)."""
+    bundle, space, record, pairs = _bundle_records(bundle, load, chunk_size)
+    if _registered(registry.space, record.space_id, record.fingerprint) != record:
+        registry.register_space(record, replace=replace)
+    _ensure_location(registry, record.ident, str(bundle))
+    for pair, _ in pairs:
+        if _registered(registry.pair, pair.pair_id, pair.space_fingerprint) != pair:
+            registry.register_pair(pair, replace=replace)
+        _ensure_location(registry, pair.ident, str(bundle))
     return record, space, pairs
 
 
+def _registered(read, ident: str, fingerprint: str):  # noqa: ANN001, ANN202 - a record or None
+    try:
+        return read(ident, fingerprint)
+    except NotRegistered:
+        return None
+
+
+def bind_registered(bundle: Path, registry: Registry, *, chunk_size: int,
+                    models: Collection[str] | None = None) -> list[Binding]:
+    """Bindings of ``bundle``'s producer and consumers whose records the registry holds exactly as the
+    bundle has them (read-only: nothing is written). The others are left out with one warning each;
+    discovery binds them once an operator registers them."""
+    bundle, space, record, pairs = _bundle_records(bundle, models, chunk_size)
+    bindings = []
+    if _registered(registry.space, record.space_id, record.fingerprint) == record:
+        bindings.append(Binding(record.producer_model_id, "producer", space, ScdCodec(space)))
+    else:
+        log.warning("scd-store: space %s of %s is not registered as this bundle has it; not producing into it "
+                    "until `scd-store register %s`", record.ident, bundle, bundle)
+    for pair, binding in pairs:
+        if binding is None:
+            continue
+        if _registered(registry.pair, pair.pair_id, pair.space_fingerprint) == pair:
+            bindings.append(binding)
+        else:
+            log.warning("scd-store: pair %s is not registered as %s has it; its model %r is bound once "
+                        "`scd-store register` has run", pair.ident, bundle, pair.consumer_model_id)
+    return bindings
+
+
 def bind_bundle(bundle: Path, registry: Registry, *, chunk_size: int, replace: bool = False,
-                models: Collection[str] | None = None) -> list[Binding]:
-    """Register ``bundle``'s space and pairs in ``registry``; the producer's binding, then each consumer's
-    (only those named in ``models`` when it is given: a process keeps the decoders of what it serves)."""
-    record, space, pairs = register_bundle(bundle, registry, chunk_size=chunk_size, replace=replace, load=models)
+                models: Collection[str] | None = None, register: bool = True) -> list[Binding]:
+    """The producer's binding, then each consumer's (only those named in ``models`` when it is given: a
+    process keeps the decoders of what it serves), after registering ``bundle`` (``register``) or
+    checking it is registered (:func:`bind_registered`)."""
+    if not register:
+        return bind_registered(bundle, registry, chunk_size=chunk_size, models=models)
+    try:
+        record, space, pairs = register_bundle(bundle, registry, chunk_size=chunk_size, replace=replace, load=models)
+    except RegistryError:
+        raise
+    except Exception as exc:
+        if "noperm" in str(exc).lower() or "no permissions" in str(exc).lower():
+            raise ServiceError(f"this process may not write the registry ({exc}); register {bundle} with "
+                               "`scd-store register` and start engines with register_bundles: false") from exc
+        raise
     return [Binding(record.producer_model_id, "producer", space, ScdCodec(space)), *(b for _, b in pairs if b)]

@@ -19,7 +19,8 @@ from scd_store.codecs.scd.codec import ScdCodec
 from scd_store.codecs.scd.space import CodeSpace
 from scd_store.service.bindings import Binding, Bindings, ServiceError
 from scd_store.service.log_once import LogOnce
-from scd_store.store.registry import Registry, RegistryError
+from scd_store.store.records import RegistryError
+from scd_store.store.registry import Registry
 from scd_store.store.stats import StoreStats
 
 log = logging.getLogger("scd_store.service")
@@ -72,8 +73,8 @@ class PairDiscovery:
         pairs, spaces, locations = self.registry.pairs(), self.registry.spaces(), self.registry.locations()
         bound = []
         for model in wanted:
-            mine = [p for p in pairs if p.consumer_model_id == model]
-            produced = [s for s in spaces if s.producer_model_id == model]
+            mine = self._prefer_held([p for p in pairs if p.consumer_model_id == model], "space_fingerprint")
+            produced = self._prefer_held([s for s in spaces if s.producer_model_id == model], "bundle_fingerprint")
             if len(mine) + len(produced) != 1:
                 if mine or produced:
                     self._once.warn(f"ambiguous:{model}", "scd-store: %r is registered %d times (pairs %s, spaces "
@@ -95,6 +96,14 @@ class PairDiscovery:
             bound.append(model)
         return bound
 
+    def _prefer_held(self, records: list, field: str) -> list:
+        """Of several generations naming a model, the ones whose space this process already holds (a
+        rollout: the process stays on its generation); all of them when it holds none."""
+        if len(records) < 2:
+            return records
+        held = [r for r in records if self.bindings.space(getattr(r, field)) is not None]
+        return held or records
+
     def _space(self, path: str, space_id: str, fingerprint: str) -> CodeSpace:
         """The registered space: the one a binding of this process already holds (from ``bundles`` or an
         earlier discovery), else loaded from ``path`` and checked against the registry."""
@@ -108,8 +117,9 @@ class PairDiscovery:
         return space
 
     def _consumer(self, pair, spaces, locations: dict[str, str]) -> Binding:
-        path = locations.get(pair.pair_id)
-        record = next((s for s in spaces if s.space_id == pair.space_id), None)
+        path = locations.get(pair.ident)
+        record = next((s for s in spaces if s.space_id == pair.space_id and s.fingerprint == pair.space_fingerprint),
+                      None)
         if path is None or record is None:
             raise RegistryError(f"pair {pair.pair_id} has no recorded bundle or space (register it with "
                                 "`scd-store register BUNDLE`)")
@@ -120,7 +130,7 @@ class PairDiscovery:
         return Binding(pair.consumer_model_id, "consumer", space, ScdCodec(space, decoder), pair.pair_id)
 
     def _producer(self, record, locations: dict[str, str]) -> Binding:
-        path = locations.get(record.space_id)
+        path = locations.get(record.ident)
         if path is None:
             raise RegistryError(f"space {record.space_id} has no recorded bundle")
         space = self._space(path, record.space_id, record.bundle_fingerprint)

@@ -24,6 +24,7 @@ from scd_store.service.discovery import PairDiscovery
 from scd_store.service.hash_agreement import HashAgreement, HashCanary
 from scd_store.service.log_once import LogOnce
 from scd_store.service.put_queue import PutJob, PutQueue
+from scd_store.store.records import NotRegistered
 from scd_store.store.tiered import TieredStore
 from scd_store.store.views import ConsumerView, ProducerView
 
@@ -44,21 +45,26 @@ class KVService:
     has passed (the chunks decoded so far are the hit). ``models``: load only these models' decoders from
     ``bundles`` (default: every pair's). A model asked for without a binding is looked up in the registry
     every ``discovery_interval_s`` (0: never) and bound once a pair or space names it (``scd-store
-    register``; :mod:`scd_store.service.discovery`).
+    register``; :mod:`scd_store.service.discovery`). ``register_bundles=False`` (least privilege:
+    engines that may only read the registry) binds only what the registry already holds as the
+    bundles have it. A space or pair revoked in the registry is a miss from the store's next
+    registry refresh on (``revoked_requests``). ``max_positions``: the engine's context length; a stored
+    chunk reaching past it is refused before anything is allocated for it.
     """
 
     def __init__(self, store: TieredStore, bundles: Sequence[str | Path], *,
                  aliases: Mapping[str, str] | None = None, replace_registrations: bool = False,
                  put_queue_chunks: int = 256, get_deadline_s: float | None = None,
-                 models: Sequence[str] | None = None, discovery_interval_s: float = 2.0) -> None:
+                 models: Sequence[str] | None = None, discovery_interval_s: float = 2.0,
+                 register_bundles: bool = True, max_positions: int = 32768) -> None:
         if get_deadline_s is not None and get_deadline_s <= 0:
             raise ValueError(f"get_deadline_s must be positive, got {get_deadline_s}")
         self.store = store
         self.get_deadline_s = get_deadline_s
-        self.bindings = Bindings(aliases)
+        self.bindings = Bindings(aliases, max_positions)
         for bundle in bundles:
             for binding in bind_bundle(Path(bundle), store.registry, chunk_size=store.chunk_size,
-                                       replace=replace_registrations, models=models):
+                                       replace=replace_registrations, models=models, register=register_bundles):
                 self.bindings.add(binding)
         store.forget_registry_cache()
         self.puts = PutQueue(self._run_put, store.stats, max_chunks=put_queue_chunks)
@@ -83,11 +89,25 @@ class KVService:
         """Every bound model name and its role."""
         return self.bindings.roles()
 
-    def _producer(self, binding: Binding) -> ProducerView:
-        return self.store.producer(binding.space.space_id, binding.model)  # the store caches the registry's answer
+    def _producer(self, binding: Binding) -> ProducerView | None:
+        """The store's write face for a producer (the store caches the registry's answer); None once revoked."""
+        try:
+            return self.store.producer(binding.space.space_id, binding.model, binding.space.fingerprint)
+        except NotRegistered as exc:
+            return self._revoked(binding, exc)
 
-    def _consumer(self, binding: Binding) -> ConsumerView:
-        return self.store.consumer(binding.pair_id, binding.model)
+    def _consumer(self, binding: Binding) -> ConsumerView | None:
+        """The store's read face for a consumer; None once its pair is revoked (a miss)."""
+        try:
+            return self.store.consumer(binding.pair_id, binding.model, binding.space.fingerprint)
+        except NotRegistered as exc:
+            return self._revoked(binding, exc)
+
+    def _revoked(self, binding: Binding, exc: Exception) -> None:
+        self.store.stats.inc("revoked_requests", space=binding.space.space_id, pair=binding.pair_id)
+        self._once.warn(f"revoked:{binding.model}", "scd-store: %r is not (or no longer) registered: its requests "
+                        "miss (counted as revoked_requests; logged once): %s", binding.model, exc)
+        return None
 
     def _producer_binding(self, model: str, chunks: int) -> Binding | None:
         """``model``'s binding when it produces a space; else None, counted and logged (consumers never write)."""
@@ -160,10 +180,12 @@ class KVService:
         if len(hashes) != len(states):
             raise ValueError(f"{len(hashes)} hashes for {len(states)} states")
         t0 = time.perf_counter()
+        view = self._producer(binding)
+        if view is None:
+            return 0
         payloads = [binding.codec.encode(state) for state in states]
         self.store.stats.observe("encode", time.perf_counter() - t0)
-        self._producer(binding).put(hashes, payloads, [s.num_tokens for s in states], codec_id=binding.codec.codec_id)
-        return len(payloads)
+        return len(view.put(hashes, payloads, [s.num_tokens for s in states], codec_id=binding.codec.codec_id))
 
     def contains(self, model: str, hashes: Sequence[bytes], tokens: int | None = None) -> int:
         """Chunks of the leading run of ``hashes`` that ``model`` can get (0 for an unknown model).
@@ -174,12 +196,14 @@ class KVService:
         if binding is None:
             return 0
         if binding.role == "producer":
-            return self._producer(binding).contains(hashes)
+            producer = self._producer(binding)
+            return producer.contains(hashes) if producer is not None else 0
         if not self.hashing.ok(binding):
             return 0
         if tokens:
             self.count_requested(model, tokens)
-        return self._consumer(binding).contains(hashes)
+        consumer = self._consumer(binding)
+        return consumer.contains(hashes) if consumer is not None else 0
 
     def count_requested(self, model: str, tokens: int) -> None:
         """Count a consumer's lookup of ``tokens`` tokens (``requested_tokens``, the hit rate's denominator) in
@@ -211,7 +235,10 @@ class KVService:
             return []
         started = time.perf_counter()
         deadline = started + self.get_deadline_s if self.get_deadline_s is not None else float("inf")
-        chunks = self._consumer(binding).get(hashes)
+        consumer = self._consumer(binding)
+        if consumer is None:
+            return []
+        chunks = consumer.get(hashes)
         t0 = time.perf_counter()
         states: list[KVState] = []
         for i, chunk in enumerate(chunks):

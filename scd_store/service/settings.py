@@ -17,6 +17,11 @@ Every engine adapter reads the same keys (LMCache: ``extra_config`` ``scd.*``; S
   (default 5);
 - ``serves_adapters``: the engine also serves LoRA adapters of its model (default false; SGLang
   says so itself). A request the adapter cannot be told from is then neither stored nor served;
+- ``register_bundles``: register ``bundles`` in the registry at start (default true); false for
+  engines that may only read the registry (records are then written by ``scd-store register``, and
+  only what the registry holds as the bundles have it is bound);
+- ``max_positions``: the engine's context length (default 32768); stored chunks reaching past it are
+  refused before anything is allocated for them;
 - ``model_tag`` (LMCache): the request tag ``lmcache.tag.<model_tag>`` that names the model (base
   or adapter) a request is for (default ``scd_model``).
 
@@ -34,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 KNOWN = ("bundles", "store_config", "aliases", "put_queue_chunks", "get_deadline_s", "serves_adapters", "model_tag",
-         "models", "discovery_interval_s")
+         "models", "discovery_interval_s", "register_bundles", "max_positions")
 
 
 class SettingsError(ValueError):
@@ -54,6 +59,8 @@ class EngineSettings:
     model_tag: str = "scd_model"
     models: tuple[str, ...] | None = None
     discovery_interval_s: float = 2.0
+    register_bundles: bool = True
+    max_positions: int = 32768
 
     def __post_init__(self) -> None:
         for bundle in self.bundles:
@@ -72,6 +79,10 @@ class EngineSettings:
             raise SettingsError(f"model_tag must be a non-empty string, got {self.model_tag!r}")
         if self.models is not None and not all(isinstance(m, str) and m for m in self.models):
             raise SettingsError(f"models must be a list of model names, got {self.models!r}")
+        if not isinstance(self.register_bundles, bool):
+            raise SettingsError(f"register_bundles must be true or false, got {self.register_bundles!r}")
+        if isinstance(self.max_positions, bool) or not isinstance(self.max_positions, int) or self.max_positions <= 0:
+            raise SettingsError(f"max_positions must be a positive int, got {self.max_positions!r}")
         if not self.discovery_interval_s >= 0:
             raise SettingsError(f"discovery_interval_s must be >= 0, got {self.discovery_interval_s!r}")
 
@@ -104,9 +115,20 @@ class EngineSettings:
             models = [m.strip() for m in models.split(",") if m.strip()]
         if models is not None and not isinstance(models, (list, tuple)):
             raise SettingsError(f"models must be a list of model names, got {models!r}")
-        serves = ours.get("serves_adapters", False)
-        if isinstance(serves, str) and serves.lower() in ("true", "false"):
-            serves = serves.lower() == "true"
+        serves, register = (_flag(ours.get(name, default)) for name, default in
+                            (("serves_adapters", False), ("register_bundles", True)))
+        try:
+            max_positions = int(ours.get("max_positions", 32768))
+        except (TypeError, ValueError) as exc:
+            raise SettingsError(f"max_positions must be an int: {exc}") from exc
         return cls(tuple(str(Path(b)) for b in bundles), ours.get("store_config"),
                    tuple(sorted((str(k), str(v)) for k, v in aliases.items())), queue_chunks, deadline, serves,
-                   ours.get("model_tag", "scd_model"), None if models is None else tuple(models), interval)
+                   ours.get("model_tag", "scd_model"), None if models is None else tuple(models), interval, register,
+                   max_positions)
+
+
+def _flag(value: Any) -> Any:
+    """``"true"`` / ``"false"`` strings (engine configs pass strings) as bools; anything else unchanged."""
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    return value

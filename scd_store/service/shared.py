@@ -16,7 +16,8 @@ _services: dict[tuple, tuple[KVService, int]] = {}
 def acquire_service(settings: EngineSettings) -> KVService:
     """The process's service for these settings (opened on first use, reference counted)."""
     key = (settings.store_config, settings.bundles, settings.aliases, settings.put_queue_chunks,
-           settings.get_deadline_s, settings.models, settings.discovery_interval_s)
+           settings.get_deadline_s, settings.models, settings.discovery_interval_s, settings.register_bundles,
+           settings.max_positions)
     with _lock:
         entry = _services.get(key)
         if entry is None:
@@ -25,7 +26,9 @@ def acquire_service(settings: EngineSettings) -> KVService:
                 service = KVService(store, settings.bundles, aliases=dict(settings.aliases),
                                     put_queue_chunks=settings.put_queue_chunks,
                                     get_deadline_s=settings.get_deadline_s, models=settings.models,
-                                    discovery_interval_s=settings.discovery_interval_s)
+                                    discovery_interval_s=settings.discovery_interval_s,
+                                    register_bundles=settings.register_bundles,
+                                    max_positions=settings.max_positions)
             except BaseException:
                 store.close()
                 raise

@@ -1,24 +1,32 @@
-"""The code-blob format: one checksummed, self-describing value per chunk per space.
+"""The code-blob format: one checksummed, optionally signed, self-describing value per chunk.
 
 Layout (all integers little-endian)::
 
     offset  size  field
     0       4     magic b"SCDB"
-    4       2     format version (u16)
-    6       2     flags (u16, 0)
-    8       4     header length H (u32)
+    4       2     format version (u16, 2)
+    6       2     flags (u16; bit 0: signed)
+    8       4     header length H (u32, at most MAX_HEADER_BYTES)
     12      8     payload length P (u64)
     20      H     header: UTF-8 JSON object (codec id, space fingerprint, token count, layer roles,
                   code dtypes, bit widths, sections)
     20+H    P     payload: the codec's serialised bytes, opaque to the store
     20+H+P  16    checksum: xxh3-128 over bytes [0, 20+H+P)
+    signed blobs only:
+    +16     1     key id length L
+    +17     L     key id (ASCII: which secret signed it)
+    +17+L   32    tag: HMAC-SHA256(secret, store key || 0x00 || every byte before the tag)
 
-``sections`` are ``{"name", "offset", "length"}`` entries inside the payload (offsets from the
-payload start). No pickle: the header is JSON, the payload raw bytes.
+The checksum tells corruption; the tag tells a blob this space's producer wrote under this key
+(:mod:`scd_store.store.signing`): a forged blob, or a genuine one copied to another key, fails it.
+``sections`` are ``[name, offset, length]`` entries inside the payload. No pickle: the header is
+JSON, the payload raw bytes. Every length is checked against the bytes present before anything is
+allocated.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import struct
 from dataclasses import dataclass, field
@@ -26,18 +34,31 @@ from typing import Any
 
 import xxhash
 
+from scd_store.store.keys import KEY_FORMAT
+from scd_store.store.signing import TAG_SIZE, Keyring, SigningKey
+
 MAGIC = b"SCDB"
-FORMAT_VERSION = 1
+FORMAT_VERSION = KEY_FORMAT
+FLAG_SIGNED = 1
 _PREFIX = struct.Struct("<4sHHIQ")
 PREFIX_SIZE = _PREFIX.size  # 20
 CHECKSUM_SIZE = 16
-MAX_HEADER_BYTES = 1 << 20
+MAX_HEADER_BYTES = 64 << 10
 _HEADER_FIELDS = ("codec_id", "space_fingerprint", "token_count", "layer_roles", "code_dtypes", "bit_widths",
                   "sections")
 
 
 class BlobError(ValueError):
-    """A blob failed a check (magic, version, length, checksum, header, fingerprint): never decode it."""
+    """A blob failed a check (magic, version, length, checksum, header, bounds): never decode it."""
+
+
+class SignatureError(BlobError):
+    """A blob without a valid tag where signatures are required (unsigned, unknown or expired key,
+    forged, or moved to another key): never decode it."""
+
+
+class ForeignBlob(BlobError):
+    """A well-formed blob of another space generation or codec: a miss, not damage (never deleted)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,18 +124,26 @@ def _check_sections(sections: tuple[Section, ...], payload_len: int) -> None:
             raise BlobError(f"section {s.name!r} [{s.offset}, +{s.length}) lies outside the {payload_len}-byte payload")
 
 
-def encode_blob(meta: BlobMeta, payload: bytes | bytearray | memoryview) -> bytes:
-    """Serialise ``meta`` and ``payload`` into one checksummed blob."""
+def encode_blob(meta: BlobMeta, payload: bytes | bytearray | memoryview, *, key: str = "",
+                signer: SigningKey | None = None) -> bytes:
+    """Serialise ``meta`` and ``payload`` into one checksummed blob, signed for store ``key`` when a
+    ``signer`` is given."""
     payload = memoryview(payload).cast("B")
     _check_sections(meta.sections, payload.nbytes)
     header = json.dumps(meta.to_json(), separators=(",", ":"), sort_keys=True).encode()
     if len(header) > MAX_HEADER_BYTES:
         raise BlobError(f"blob header is {len(header)} bytes, more than {MAX_HEADER_BYTES}")
-    prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(header), payload.nbytes)
+    prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, FLAG_SIGNED if signer else 0, len(header), payload.nbytes)
     hasher = xxhash.xxh3_128(prefix)
     hasher.update(header)
     hasher.update(payload)
-    return b"".join((prefix, header, payload, hasher.digest()))
+    parts = [prefix, header, payload, hasher.digest()]
+    if signer is None:
+        return b"".join(parts)
+    key_id = signer.key_id.encode()
+    parts += [bytes([len(key_id)]), key_id]
+    body = b"".join(parts)
+    return body + signer.tag(key, body)
 
 
 def _meta_from_json(header: bytes) -> BlobMeta:
@@ -132,9 +161,32 @@ def _meta_from_json(header: bytes) -> BlobMeta:
         raise BlobError(f"blob header is malformed: {exc}") from exc
 
 
-def decode_blob(data: bytes | bytearray | memoryview, *, expect_space_fingerprint: str | None = None,
-                expect_codec_id: str | None = None) -> Blob:
-    """Verify and split a blob. Raises :class:`BlobError` on any defect; never returns garbage."""
+def _verify_tag(view: memoryview, end: int, key: str, space_id: str, keyring: Keyring) -> int:
+    """Check a signed blob's trailer after ``end`` (the checksum's end); returns the blob's full length."""
+    if end + 1 > view.nbytes:
+        raise BlobError("signed blob is truncated before its key id")
+    id_len = view[end]
+    total = end + 1 + id_len + TAG_SIZE
+    if total != view.nbytes:
+        raise BlobError(f"blob length {view.nbytes} does not match its signed trailer ({total}): truncated or extended")
+    try:
+        key_id = bytes(view[end + 1:end + 1 + id_len]).decode("ascii")
+    except UnicodeDecodeError:
+        raise SignatureError("blob key id is not ASCII") from None
+    secret = keyring.verifier(space_id, key_id)
+    if secret is None:
+        raise SignatureError(f"blob is signed with key {key_id!r}, which this keyring does not hold (or no longer)")
+    if not hmac.compare_digest(secret.tag(key, view[:total - TAG_SIZE]), view[total - TAG_SIZE:]):
+        raise SignatureError("blob tag does not verify: forged, or moved from another key")
+    return total
+
+
+def decode_blob(data: bytes | bytearray | memoryview, *, key: str = "", space_id: str = "",
+                keyring: Keyring | None = None, expect_space_fingerprint: str | None = None,
+                expect_codec_id: str | None = None, max_token_count: int | None = None) -> Blob:
+    """Verify and split a blob read under store ``key`` of ``space_id``. With a ``keyring`` the blob
+    must carry a valid tag (:class:`SignatureError`); without one, a signed blob's trailer is checked
+    for its framing only. Raises :class:`BlobError` on any defect; never returns garbage."""
     view = memoryview(data).cast("B")
     n = view.nbytes
     if n < PREFIX_SIZE + CHECKSUM_SIZE:
@@ -144,19 +196,30 @@ def decode_blob(data: bytes | bytearray | memoryview, *, expect_space_fingerprin
         raise BlobError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
     if version != FORMAT_VERSION:
         raise BlobError(f"blob format version {version} is not supported (this build reads {FORMAT_VERSION})")
-    if flags != 0:
+    if flags & ~FLAG_SIGNED:
         raise BlobError(f"unknown blob flags {flags:#x}")
     body_len = PREFIX_SIZE + header_len + payload_len
-    if header_len > MAX_HEADER_BYTES or body_len + CHECKSUM_SIZE != n:
+    end = body_len + CHECKSUM_SIZE
+    signed = bool(flags & FLAG_SIGNED)
+    if header_len > MAX_HEADER_BYTES or end > n or (not signed and end != n):
         raise BlobError(f"blob length {n} does not match its header ({header_len} + {payload_len} + framing): "
                         "truncated or extended")
-    if xxhash.xxh3_128(view[:body_len]).digest() != view[body_len:]:
+    if xxhash.xxh3_128(view[:body_len]).digest() != view[body_len:end]:
         raise BlobError("blob checksum mismatch: corrupted")
+    if keyring is not None and not signed:
+        raise SignatureError("blob is unsigned and this store requires signed blobs")
+    if signed:
+        if keyring is not None:
+            _verify_tag(view, end, key, space_id, keyring)
+        elif end + 1 > n or end + 1 + view[end] + TAG_SIZE != n:
+            raise BlobError("signed blob trailer does not match its length: truncated or extended")
     meta = _meta_from_json(bytes(view[PREFIX_SIZE:PREFIX_SIZE + header_len]))
     _check_sections(meta.sections, payload_len)
+    if max_token_count is not None and not 0 < meta.token_count <= max_token_count:
+        raise BlobError(f"blob covers {meta.token_count} tokens; a chunk of this space holds 1 to {max_token_count}")
     if expect_space_fingerprint is not None and meta.space_fingerprint != expect_space_fingerprint:
-        raise BlobError(f"blob is from space fingerprint {meta.space_fingerprint!r}, "
-                        f"expected {expect_space_fingerprint!r}")
+        raise ForeignBlob(f"blob is from space fingerprint {meta.space_fingerprint!r}, "
+                          f"expected {expect_space_fingerprint!r}")
     if expect_codec_id is not None and meta.codec_id != expect_codec_id:
-        raise BlobError(f"blob codec {meta.codec_id!r}, expected {expect_codec_id!r}")
+        raise ForeignBlob(f"blob codec {meta.codec_id!r}, expected {expect_codec_id!r}")
     return Blob(meta, view[PREFIX_SIZE + header_len:body_len])

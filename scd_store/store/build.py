@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Mapping
 from pathlib import Path
 
-from scd_store.store.config import StoreConfig, TierConfig, load_config
+from scd_store.store.config import ConfigError, StoreConfig, TierConfig, load_config
 from scd_store.store.registry import FileRegistry, RedisRegistry, Registry
+from scd_store.store.signing import Keyring
 from scd_store.store.stats import StoreStats
 from scd_store.store.stats_sinks import NoSink, RedisStatsMirror, SnapshotFiles, StatsSink
 from scd_store.store.tiered import TieredStore
@@ -71,6 +74,19 @@ def stats_sink_for(config: StoreConfig) -> StatsSink:
     return RedisStatsMirror(url) if url else SnapshotFiles(config.stats_path or stats_dir())
 
 
+def keyring_for(config: StoreConfig, env: Mapping[str, str] | None = None) -> Keyring | None:
+    """The signing keyring of ``config`` (``signing_keys``, ``SCD_STORE_SIGNING_KEY``), or None; with
+    ``require_signed`` and no keys, an error (this process could neither sign nor verify)."""
+    keyring = Keyring.from_env(config.signing_keys, os.environ if env is None else env)
+    if keyring is None and config.require_signed:
+        raise ConfigError("require_signed is set but no signing keys are configured (signing_keys, "
+                          "SCD_STORE_SIGNING_KEYS or SCD_STORE_SIGNING_KEY)")
+    if keyring is None and any(t.kind in ("redis", "peer") for t in config.tiers):
+        log.warning("scd-store: a shared tier without signing keys: anyone who can write to it can plant codes "
+                    "that consumers decode; configure signing_keys (docs/reliability.md)")
+    return keyring
+
+
 def open_store(config: StoreConfig | None = None, *, registry: Registry | None = None,
                stats: StoreStats | None = None, share_stats: bool = True) -> TieredStore:
     """The store described by ``config`` (default: :func:`load_config`, i.e. CPU + local disk); with
@@ -91,5 +107,5 @@ def open_store(config: StoreConfig | None = None, *, registry: Registry | None =
                        put_timeout_s=config.put_timeout_s, queue_size=[c.queue_size for c, _ in pairs],
                        writers=[c.writers for c, _ in pairs], backoff_min_s=config.retry_backoff_min_s,
                        backoff_max_s=config.retry_backoff_max_s,
-                       stats_sink=sink,
+                       stats_sink=sink, keyring=keyring_for(config), registry_refresh_s=config.registry_refresh_s,
                        tier_timeouts={t.name: float(c.op_timeout_s) for c, t in pairs if c.op_timeout_s is not None})

@@ -115,6 +115,9 @@ class StoreConfig:
     stats_path: str | None = None
     metrics_port: int | None = None
     raw_kv_bytes_per_token: int = 0
+    signing_keys: str | None = None
+    require_signed: bool = False
+    registry_refresh_s: float = 2.0
 
     def __post_init__(self) -> None:
         self.tiers = tuple(t if isinstance(t, TierConfig) else TierConfig(**t) for t in self.tiers)
@@ -140,6 +143,13 @@ class StoreConfig:
             raise ConfigError(f"metrics_port out of range: {self.metrics_port}")
         if self.raw_kv_bytes_per_token < 0:
             raise ConfigError("raw_kv_bytes_per_token must be >= 0")
+        if self.signing_keys is not None and not Path(self.signing_keys).exists():
+            raise ConfigError(f"signing_keys {self.signing_keys!r} does not exist (a key file or a directory of "
+                              "<space_id>.keys files)")
+        if not isinstance(self.require_signed, bool):
+            raise ConfigError(f"require_signed must be true or false, got {self.require_signed!r}")
+        if float(self.registry_refresh_s) < 0:
+            raise ConfigError("registry_refresh_s must be >= 0 (0: never re-read the registry)")
 
     @property
     def redis_url(self) -> str | None:
@@ -203,13 +213,20 @@ class StoreConfig:
         updates = {}
         for key, cast in (("CHUNK_SIZE", int), ("OP_TIMEOUT_S", float), ("PUT_TIMEOUT_S", float),
                           ("REGISTRY_URL", str), ("REGISTRY_PATH", str), ("STATS_REDIS_URL", str), ("STATS_PATH", str),
-                          ("METRICS_PORT", int), ("RAW_KV_BYTES_PER_TOKEN", int)):
+                          ("METRICS_PORT", int), ("RAW_KV_BYTES_PER_TOKEN", int), ("SIGNING_KEYS", str),
+                          ("REQUIRE_SIGNED", _flag), ("REGISTRY_REFRESH_S", float)):
             if "SCD_STORE_" + key in env:
                 try:
                     updates[key.lower()] = cast(env["SCD_STORE_" + key])
                 except ValueError as exc:
                     raise ConfigError(f"SCD_STORE_{key}: {exc}") from exc
         return replace(cfg, tiers=tuple(tiers), **updates)
+
+
+def _flag(text: str) -> bool:
+    if text.lower() not in ("1", "0", "true", "false", "yes", "no"):
+        raise ValueError(f"expected true or false, got {text!r}")
+    return text.lower() in ("1", "true", "yes")
 
 
 def load_config(path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None) -> StoreConfig:

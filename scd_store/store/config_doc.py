@@ -24,6 +24,11 @@ STORE_DOCS = {
     "stats_path": "directory of the per-process stats snapshots without Redis (default: `<data dir>/store/stats`)",
     "metrics_port": "serve Prometheus metrics (`scd_store_*`) on this loopback port",
     "raw_kv_bytes_per_token": "raw KV bytes per token for `bytes_saved` when a space does not say",
+    "signing_keys": "a key file, or a directory of `<space_id>.keys` files (+ `default.keys`): producers sign "
+                    "every blob with it, readers accept only blobs that verify (docs/reliability.md); never in a bundle",
+    "require_signed": "refuse to start without signing keys (set it wherever a shared tier is used)",
+    "registry_refresh_s": "how often the registry's version is checked; a revoked or changed space or pair takes "
+                          "effect within this (0: never)",
 }
 TIER_DOCS = {
     "kind": f"one of {', '.join(TIER_KINDS)}",
@@ -32,7 +37,8 @@ TIER_DOCS = {
             "(default: `<data dir>/store/peers`) when it has no `url`",
     "url": "Redis URL: `redis://`, `rediss://` (TLS), `redis+cluster://h1:p1,h2:p2`, `redis+sentinel://h:p/svc`; "
            "for a peer tier, where its directory lives (between hosts)",
-    "ttl_s": "Redis: expire blobs after this many seconds (null: never)",
+    "ttl_s": "Redis: expire blobs after this many seconds, refreshed on every hit (null: never); with "
+             "`maxmemory-policy volatile-lru` only blobs are evicted, never the registry or counters",
     "max_value_bytes": "largest blob the tier accepts (larger ones are refused and counted)",
     "apply_server_maxmemory": "Redis: set the server's `maxmemory` to `max_bytes`",
     "pinned": "CPU tier: keep blobs in pinned memory (with CUDA) for fast device copies",
@@ -58,7 +64,9 @@ ENV = [
     ("SCD_STORE_GLIBC_MMAP", "`1` keeps glibc's mmap of large blocks in the `scd-store` process (by default it "
                              "reuses freed blocks: `mallopt(M_MMAP_MAX, 0)`, see docs/scd.md)"),
     ("SCD_STORE_<FIELD>", "`CHUNK_SIZE`, `OP_TIMEOUT_S`, `PUT_TIMEOUT_S`, `REGISTRY_URL`, `REGISTRY_PATH`, "
-                          "`STATS_REDIS_URL`, `STATS_PATH`, `METRICS_PORT`, `RAW_KV_BYTES_PER_TOKEN`"),
+                          "`STATS_REDIS_URL`, `STATS_PATH`, `METRICS_PORT`, `RAW_KV_BYTES_PER_TOKEN`, "
+                          "`SIGNING_KEYS`, `REQUIRE_SIGNED`, `REGISTRY_REFRESH_S`"),
+    ("SCD_STORE_SIGNING_KEY", "one signing key inline, `key_id:hex` (for every space; first before the file's)"),
 ]
 
 

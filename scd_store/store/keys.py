@@ -1,6 +1,8 @@
-"""Chunk keys: ``scd:{space_id}:{chunk_hash_hex}``, one key scheme for every caller.
+"""Chunk keys: ``scd:{space_id}:{generation}:{chunk_hash_hex}``, one key scheme for every caller.
 
-A key names a 16-byte chunk hash in a space. Engines bring their own chain of chunk hashes
+A key names a 16-byte chunk hash in one generation of a space: ``generation`` is
+``v{blob format}.{xxh3-64 of the space fingerprint}`` (:func:`generation_of`), so two bundle
+generations of a space (a rollout) and two blob formats never share a key. Engines bring their own chain of chunk hashes
 (LMCache's, SGLang's); everyone else turns tokens into hashes with :func:`chunk_hashes`, a
 chained, stable xxh3-128: ``h_0 = ROOT``, ``h_i = xxh3_128(h_{i-1} || le_int64(tokens_i))``. Only
 whole chunks are hashed: a trailing partial chunk has no key. Python's ``hash`` is never used (it
@@ -18,9 +20,11 @@ import xxhash
 
 DEFAULT_CHUNK_SIZE = 256
 KEY_PREFIX = "scd"
+KEY_FORMAT = 2  # the blob format version the keys name (scd_store.store.blob.FORMAT_VERSION)
 ROOT_HASH = xxhash.xxh3_128(b"scd-store/chunk-chain/v1").digest()
 _SPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _HEX_RE = re.compile(r"^[0-9a-f]{32}$")
+_GENERATION_RE = re.compile(r"^v[0-9]+\.[0-9a-f]{16}$")
 
 
 class KeyError_(ValueError):  # noqa: N801 - avoid shadowing the builtin KeyError
@@ -85,20 +89,33 @@ def chunk_hashes(tokens: Sequence[int] | np.ndarray, chunk_size: int = DEFAULT_C
     return out
 
 
-def make_key(space_id: str, chunk_hash: bytes | str) -> str:
-    """``scd:{space_id}:{hex}`` for one chunk hash (16 bytes or 32 hex chars)."""
+def generation_of(fingerprint: str, version: int = KEY_FORMAT) -> str:
+    """The key generation of a space fingerprint: ``v{version}.{xxh3-64 hex of the fingerprint}``."""
+    if not isinstance(fingerprint, str) or not fingerprint:
+        raise KeyError_(f"a space fingerprint must be a non-empty string, got {fingerprint!r}")
+    return f"v{version}.{xxhash.xxh3_64_hexdigest(fingerprint.encode())}"
+
+
+def _prefix(space_id: str, generation: str) -> str:
     validate_space_id(space_id)
+    if not isinstance(generation, str) or not _GENERATION_RE.match(generation):
+        raise KeyError_(f"invalid key generation {generation!r} (expected 'v<format>.<16 hex>': generation_of)")
+    return f"{KEY_PREFIX}:{space_id}:{generation}:"
+
+
+def make_key(space_id: str, generation: str, chunk_hash: bytes | str) -> str:
+    """``scd:{space_id}:{generation}:{hex}`` for one chunk hash (16 bytes or 32 hex chars)."""
+    prefix = _prefix(space_id, generation)
     hex_ = chunk_hash.hex() if isinstance(chunk_hash, bytes) else chunk_hash
     if not _HEX_RE.match(hex_):
         raise KeyError_(f"chunk hash must be 16 bytes / 32 lowercase hex chars, got {hex_!r}")
-    return f"{KEY_PREFIX}:{space_id}:{hex_}"
+    return prefix + hex_
 
 
-def hash_keys(space_id: str, hashes: Sequence[bytes]) -> list[str]:
+def hash_keys(space_id: str, generation: str, hashes: Sequence[bytes]) -> list[str]:
     """Keys of chunk hashes (16 bytes each: :func:`chunk_hashes`, or an engine's own, e.g. LMCache's or
-    SGLang's) in ``space_id``, in order."""
-    validate_space_id(space_id)
-    prefix = f"{KEY_PREFIX}:{space_id}:"
+    SGLang's) in one ``generation`` (:func:`generation_of`) of ``space_id``, in order."""
+    prefix = _prefix(space_id, generation)
     keys = []
     for h in hashes:
         if not isinstance(h, bytes) or len(h) != 16:
@@ -107,10 +124,11 @@ def hash_keys(space_id: str, hashes: Sequence[bytes]) -> list[str]:
     return keys
 
 
-def parse_key(key: str) -> tuple[str, str]:
-    """Split a key into ``(space_id, chunk_hash_hex)``; raises :class:`KeyError_` on a malformed key."""
+def parse_key(key: str) -> tuple[str, str, str]:
+    """Split a key into ``(space_id, generation, chunk_hash_hex)``; raises :class:`KeyError_` on a malformed key."""
     parts = key.split(":") if isinstance(key, str) else []
-    if len(parts) != 3 or parts[0] != KEY_PREFIX or not _HEX_RE.match(parts[2]):
-        raise KeyError_(f"not a store key: {key!r} (expected 'scd:<space_id>:<32 hex>')")
+    if len(parts) != 4 or parts[0] != KEY_PREFIX or not _HEX_RE.match(parts[3]) \
+            or not _GENERATION_RE.match(parts[2]):
+        raise KeyError_(f"not a store key: {key!r} (expected 'scd:<space_id>:v<format>.<16 hex>:<32 hex>')")
     validate_space_id(parts[1])
-    return parts[1], parts[2]
+    return parts[1], parts[2], parts[3]

@@ -1,9 +1,13 @@
 """The read path: walk the tiers fastest first, verify every blob, promote hits upward.
 
 - A lookup's answer is the longest leading run of chunks present in any tier.
-- A get verifies every blob (checksum, version, space fingerprint); a bad blob is a miss, is
-  deleted from the tier that held it and is counted (``corrupt_blobs``); the walk goes on to the
-  next tier for it.
+- A get verifies every blob (framing, checksum, bounds, the tag when the store holds signing
+  keys, space generation and codec); a bad blob is a miss and is counted (``corrupt_blobs``,
+  ``bad_signatures``, ``foreign_blobs``); the walk goes on to the next tier for it. Readers delete
+  a bad blob only from this host's tiers (CPU, GPU, disk), never from a shared one (Redis, peers):
+  there it is quarantined by its producer, whose lookups verify what a shared tier holds
+  (``verify=True``: a bad blob is deleted and reported absent, so the engine stores it again), or
+  by the tier's TTL.
 - Local tiers (CPU, GPU) are read on the caller's thread; the rest on the store's event loop.
 - Hits from a lower tier are copied into every tier above it (local tiers at once, remote ones
   through the write-behind, never blocking the reader).
@@ -18,10 +22,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from scd_store.store.blob import Blob, BlobError, decode_blob
+from scd_store.store.blob import Blob, BlobError, ForeignBlob, SignatureError, decode_blob
 from scd_store.store.guard import TierGuard
 from scd_store.store.loop import LoopThread
-from scd_store.store.registry import Space
+from scd_store.store.records import Space
+from scd_store.store.signing import Keyring
 from scd_store.store.stats import StoreStats
 from scd_store.store.tiers.base import LocalTier, Tier
 from scd_store.store.views import CodeChunk, PrefixHit
@@ -49,7 +54,8 @@ class ReadPath:
     """Lookups and verified gets of store keys over ``tiers`` (fastest first)."""
 
     def __init__(self, tiers: Sequence[Tier], guard: TierGuard, stats: StoreStats, loop: LoopThread,
-                 write_behind: WriteBehind) -> None:
+                 write_behind: WriteBehind, keyring: Keyring | None = None) -> None:
+        self.keyring = keyring
         self.tiers = list(tiers)
         self.guard = guard
         self.stats = stats
@@ -57,14 +63,15 @@ class ReadPath:
         self.write_behind = write_behind
 
     # ----------------------------------------------------------------- operations
-    def lookup(self, space_id: str, keys: list[str], pair: str = "") -> PrefixHit:
-        """The leading run of ``keys`` present in any tier (presence only: nothing is read or verified)."""
+    def lookup(self, space: Space, keys: list[str], pair: str = "", *, verify: bool = False) -> PrefixHit:
+        """The leading run of ``keys`` present in any tier: presence only, except that with ``verify`` (a
+        producer's lookup) what a shared tier holds is read and verified, and a bad blob there deleted."""
         t0 = time.perf_counter()
-        where = self._walk(keys, "contains", None)
+        where = self._walk(keys, "contains", space, verify_shared=verify)
         run = leading_run(where)
         tiers = tuple(self.tiers[where[i]].name for i in range(run))
-        self.stats.inc("lookups", space=space_id, pair=pair)
-        self.stats.inc("miss_chunks", len(keys) - run, space=space_id, pair=pair)
+        self.stats.inc("lookups", space=space.space_id, pair=pair)
+        self.stats.inc("miss_chunks", len(keys) - run, space=space.space_id, pair=pair)
         self.stats.observe("lookup", time.perf_counter() - t0)
         return PrefixHit(run, len(keys), tiers)
 
@@ -93,7 +100,7 @@ class ReadPath:
         return chunks
 
     # ----------------------------------------------------------------- the walk
-    def _walk(self, keys: list[str], op: str, space: Space | None) -> list[Any]:
+    def _walk(self, keys: list[str], op: str, space: Space, verify_shared: bool = False) -> list[Any]:
         """Per key: the tier index that has it (``contains``) or a ``_Found`` (``get``); None when absent."""
         results: list[Any] = [None] * len(keys)
         pending = list(range(len(keys)))
@@ -111,31 +118,45 @@ class ReadPath:
                 with contextlib.suppress(Exception):
                     tier.delete_now(key)
         if pending and first_remote < len(self.tiers):
-            self.loop.run(self._walk_remote(first_remote, pending, keys, results, op, space),
+            self.loop.run(self._walk_remote(first_remote, pending, keys, results, op, space, verify_shared),
                           timeout=self.guard.deadline(self.tiers[first_remote:]) + 5.0)
         return results
 
     async def _walk_remote(self, start: int, pending: list[int], keys: list[str], results: list[Any], op: str,
-                           space: Space | None) -> None:
+                           space: Space, verify_shared: bool) -> None:
         for ti in range(start, len(self.tiers)):
             if not pending:
                 return
             tier = self.tiers[ti]
+            tier_op = "get" if op == "get" or (verify_shared and tier.shared) else "contains"
             batch = [keys[i] for i in pending]
-            fn = (lambda t=tier, b=batch: t.contains_many(b)) if op == "contains" else (
+            fn = (lambda t=tier, b=batch: t.contains_many(b)) if tier_op == "contains" else (
                 lambda t=tier, b=batch: t.get_many(b))
-            values = await self.guard.call(tier, op, fn, None)
-            pending, bad = self._absorb(ti, pending, keys, results, op, space, values)
-            if bad:
+            values = await self.guard.call(tier, tier_op, fn, None)
+            found: list[Any] = [None] * len(keys)
+            pending, bad = self._absorb(ti, pending, keys, found if op != tier_op else results, tier_op, space,
+                                        values)
+            if op != tier_op:  # a producer's verified lookup: presence of the blobs that passed
+                for i, f in enumerate(found):
+                    if f is not None:
+                        results[i] = ti
+            if bad and (verify_shared or not tier.shared):
                 await self.guard.call(tier, "delete", lambda t=tier, b=bad: t.delete_many(b), 0)
+                self.stats.inc("quarantined_blobs", len(bad), tier=tier.name, space=space.space_id)
+
+    def _verify(self, key: str, value: bytes, space: Space) -> Blob:
+        return decode_blob(value, key=key, space_id=space.space_id, keyring=self.keyring,
+                           expect_space_fingerprint=space.fingerprint, max_token_count=space.chunk_size)
 
     def _absorb(self, ti: int, pending: list[int], keys: list[str], results: list[Any], op: str,
-                space: Space | None, values: list[Any] | None) -> tuple[list[int], list[str]]:
-        """Record what tier ``ti`` returned; return the still-missing indices and the keys of bad blobs."""
+                space: Space, values: list[Any] | None) -> tuple[list[int], list[str]]:
+        """Record what tier ``ti`` returned; return the still-missing indices and the keys of bad blobs
+        (foreign ones are a miss, never bad: another generation may be right to hold them)."""
         if values is None:
             return pending, []
         still: list[int] = []
         bad: list[str] = []
+        counts = {"corrupt_blobs": 0, "bad_signatures": 0, "foreign_blobs": 0}
         for i, value in zip(pending, values, strict=True):
             if op == "contains":
                 if value:
@@ -147,15 +168,20 @@ class ReadPath:
                 still.append(i)
                 continue
             try:
-                blob = decode_blob(value, expect_space_fingerprint=space.fingerprint if space else None)
+                blob = self._verify(keys[i], value, space)
             except BlobError as exc:
-                bad.append(keys[i])
                 still.append(i)
-                log.debug("corrupt blob %s in tier %s: %s", keys[i], self.tiers[ti].name, exc)
+                kind = ("foreign_blobs" if isinstance(exc, ForeignBlob) else
+                        "bad_signatures" if isinstance(exc, SignatureError) else "corrupt_blobs")
+                counts[kind] += 1
+                if kind != "foreign_blobs":
+                    bad.append(keys[i])
+                log.debug("%s: blob %s in tier %s: %s", kind, keys[i], self.tiers[ti].name, exc)
                 continue
             results[i] = _Found(blob, value, ti)
-        if bad:
-            self.stats.inc("corrupt_blobs", len(bad), tier=self.tiers[ti].name, space=space.space_id if space else "")
+        for name, n in counts.items():
+            if n:
+                self.stats.inc(name, n, tier=self.tiers[ti].name, space=space.space_id)
         return still, bad
 
     def _promote(self, from_tier: int, items: list[tuple[str, bytes]], space_id: str) -> None:

@@ -1,8 +1,12 @@
 """Registry of code spaces and pairs: in Redis when configured, else a local JSON file.
 
-A space is written by exactly one producer model; a pair maps a consumer model to one space. A
-consumer that is not registered for a space gets :class:`NotRegistered`, never codes. A space's
-producer also records its engine's hashing canary, so consumers can check they hash alike.
+A space generation is written by exactly one producer model; a pair maps a consumer model to one
+space generation. A consumer that is not registered for a space gets :class:`NotRegistered`, never
+codes. Several generations of a space coexist (a rollout: :mod:`scd_store.store.records`); an
+operator revokes one with :meth:`Registry.revoke`. Every change of a space or pair bumps
+:meth:`Registry.version`, which stores re-read within ``registry_refresh_s`` (revocation takes
+effect there). A space's producer also records its engine's hashing canary, so consumers can check
+they hash alike.
 """
 
 from __future__ import annotations
@@ -13,70 +17,23 @@ import json
 import os
 import tempfile
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from scd_store.store.keys import validate_space_id
+from scd_store.store.keys import generation_of
+from scd_store.store.records import NotAuthorized, NotRegistered, Pair, RegistryError, Space
+
+__all__ = ["FileRegistry", "NotAuthorized", "NotRegistered", "Pair", "RedisRegistry", "Registry", "RegistryError",
+           "Space", "open_registry"]
 
 REDIS_PREFIX = "scd:__registry__"
 REDIS_SPACES = f"{REDIS_PREFIX}:spaces"
 REDIS_PAIRS = f"{REDIS_PREFIX}:pairs"
+REDIS_VERSION = f"{REDIS_PREFIX}:version"
 # canaries: each space's producer hashing, per engine; locations: the bundle directory of a space or pair
 KINDS = ("spaces", "pairs", "canaries", "locations")
-
-
-class RegistryError(ValueError):
-    """A registry problem (conflicting registration, unreadable registry)."""
-
-
-class NotRegistered(RegistryError):  # noqa: N818 - the name the issue uses
-    """A pair or space that the registry does not know, or a consumer not registered for it."""
-
-
-class NotAuthorized(RegistryError):  # noqa: N818
-    """A model tried to write into a space it does not produce."""
-
-
-@dataclass(frozen=True, slots=True)
-class Space:
-    """A code space: one producer model and its encoder bundle."""
-
-    space_id: str
-    producer_model_id: str
-    producer_fingerprint: str
-    bundle_fingerprint: str
-    codec_id: str = ""
-    chunk_size: int = 256
-    raw_kv_bytes_per_token: int = 0
-
-    def __post_init__(self) -> None:
-        validate_space_id(self.space_id)
-        for name in ("producer_model_id", "producer_fingerprint", "bundle_fingerprint"):
-            if not isinstance(getattr(self, name), str) or not getattr(self, name):
-                raise RegistryError(f"space {self.space_id!r}: {name} must be a non-empty string")
-
-    @property
-    def fingerprint(self) -> str:
-        """What every blob of this space carries as its space fingerprint."""
-        return self.bundle_fingerprint
-
-
-@dataclass(frozen=True, slots=True)
-class Pair:
-    """A consumer model registered against one space, with its decoder bundle."""
-
-    pair_id: str
-    space_id: str
-    consumer_model_id: str
-    consumer_fingerprint: str
-    bundle_fingerprint: str
-
-    def __post_init__(self) -> None:
-        validate_space_id(self.space_id)
-        for name in ("pair_id", "consumer_model_id", "consumer_fingerprint", "bundle_fingerprint"):
-            if not isinstance(getattr(self, name), str) or not getattr(self, name):
-                raise RegistryError(f"pair {self.pair_id!r}: {name} must be a non-empty string")
+VERSIONED = ("spaces", "pairs")  # kinds whose changes bump the version
 
 
 def _space(obj: dict[str, Any]) -> Space:
@@ -89,60 +46,92 @@ def _pair(obj: dict[str, Any]) -> Pair:
 
 class Registry(ABC):
     """Spaces and pairs. ``register_*`` is idempotent for an identical record and refuses a different one
-    unless ``replace=True``."""
+    of the same generation unless ``replace=True``; another generation is a record of its own."""
 
     @abstractmethod
     def _load(self, kind: str, ident: str) -> dict[str, Any] | None: ...
 
     @abstractmethod
     def _store(self, kind: str, ident: str, record: dict[str, Any], replace: bool) -> dict[str, Any] | None:
-        """Write ``record``; return the existing different record instead when one exists and not ``replace``."""
+        """Write ``record`` (bumping the version when it changed a versioned kind); return the existing
+        different record instead when one exists and not ``replace``."""
+
+    @abstractmethod
+    def _delete(self, kind: str, idents: list[str]) -> int:
+        """Remove records (bumping the version when a versioned kind changed); returns how many were removed."""
 
     @abstractmethod
     def _all(self, kind: str) -> dict[str, dict[str, Any]]: ...
 
+    @abstractmethod
+    def version(self) -> int:
+        """A counter bumped by every change of a space or pair record (0 for a new registry)."""
+
     def register_space(self, space: Space, *, replace: bool = False) -> Space:
-        existing = self._store("spaces", space.space_id, asdict(space), replace)
+        existing = self._store("spaces", space.ident, asdict(space), replace)
         if existing is not None:
-            raise RegistryError(f"space {space.space_id!r} is already registered with different contents "
-                                f"(producer {existing.get('producer_model_id')!r}); pass replace=True to change it")
+            raise RegistryError(f"space {space.space_id!r} generation {space.generation} is already registered with "
+                                f"different contents (producer {existing.get('producer_model_id')!r}); pass "
+                                "replace=True to change it")
         return space
 
     def register_pair(self, pair: Pair, *, replace: bool = False) -> Pair:
-        self.space(pair.space_id)
-        existing = self._store("pairs", pair.pair_id, asdict(pair), replace)
+        self.space(pair.space_id, pair.space_fingerprint)
+        existing = self._store("pairs", pair.ident, asdict(pair), replace)
         if existing is not None:
             raise RegistryError(f"pair {pair.pair_id!r} is already registered with different contents "
-                                f"(space {existing.get('space_id')!r}); pass replace=True to change it")
+                                f"(decoder {existing.get('bundle_fingerprint')!r}); pass replace=True to change it")
         return pair
 
-    def space(self, space_id: str) -> Space:
-        record = self._load("spaces", space_id)
+    def space(self, space_id: str, fingerprint: str) -> Space:
+        """The generation of ``space_id`` whose blobs carry ``fingerprint``."""
+        record = self._load("spaces", f"{space_id}@{generation_of(fingerprint)}")
         if record is None:
-            raise NotRegistered(f"code space {space_id!r} is not registered")
+            raise NotRegistered(f"code space {space_id!r} (fingerprint {fingerprint}) is not registered")
         return _space(record)
 
-    def pair(self, pair_id: str) -> Pair:
-        record = self._load("pairs", pair_id)
+    def pair(self, pair_id: str, space_fingerprint: str) -> Pair:
+        record = self._load("pairs", f"{pair_id}@{generation_of(space_fingerprint)}")
         if record is None:
-            raise NotRegistered(f"pair {pair_id!r} is not registered; register the consumer's pair bundle first")
+            raise NotRegistered(f"pair {pair_id!r} (space fingerprint {space_fingerprint}) is not registered; "
+                                "register the consumer's pair bundle first")
         return _pair(record)
 
-    def resolve(self, pair_id: str, consumer_model_id: str) -> tuple[Pair, Space]:
-        """The pair and its space for a consumer; :class:`NotRegistered` unless this consumer owns the pair."""
-        pair = self.pair(pair_id)
+    def resolve(self, pair_id: str, consumer_model_id: str, space_fingerprint: str) -> tuple[Pair, Space]:
+        """The pair and its space generation for a consumer; :class:`NotRegistered` unless this consumer
+        owns the pair."""
+        pair = self.pair(pair_id, space_fingerprint)
         if pair.consumer_model_id != consumer_model_id:
             raise NotRegistered(f"consumer {consumer_model_id!r} is not registered for pair {pair_id!r} "
                                 f"(registered consumer: {pair.consumer_model_id!r})")
-        return pair, self.space(pair.space_id)
+        return pair, self.space(pair.space_id, pair.space_fingerprint)
 
-    def authorize_write(self, space_id: str, producer_model_id: str) -> Space:
-        """The space, if ``producer_model_id`` is its producer; else :class:`NotAuthorized`."""
-        space = self.space(space_id)
+    def authorize_write(self, space_id: str, producer_model_id: str, fingerprint: str) -> Space:
+        """The space generation, if ``producer_model_id`` is its producer; else :class:`NotAuthorized`."""
+        space = self.space(space_id, fingerprint)
         if space.producer_model_id != producer_model_id:
             raise NotAuthorized(f"model {producer_model_id!r} may not write into space {space_id!r}: only its "
                                 f"producer {space.producer_model_id!r} writes there (consumers never write)")
         return space
+
+    def revoke(self, ident: str, fingerprint: str | None = None) -> list[str]:
+        """Remove a space (every pair of it too) or a pair, by id; only the generation of ``fingerprint``
+        when given. Returns the removed record names; engines stop serving them within their
+        ``registry_refresh_s``."""
+        generation = None if fingerprint is None else generation_of(fingerprint)
+        def chosen(name: str, base: str) -> bool:
+            return name.rpartition("@")[0] == base and (generation is None or name.rpartition("@")[2] == generation)
+        spaces = [n for n in self._all("spaces") if chosen(n, ident)]
+        revoked_fps = {_space(r).fingerprint for n, r in self._all("spaces").items() if n in spaces}
+        pairs = [n for n, r in self._all("pairs").items()
+                 if chosen(n, ident) or (r.get("space_id") == ident and r.get("space_fingerprint") in revoked_fps)]
+        removed = [*spaces, *pairs]
+        if pairs:
+            self._delete("pairs", pairs)
+        if spaces:
+            self._delete("spaces", spaces)
+        self._delete("locations", [n for n in self._all("locations") if n in removed])
+        return removed
 
     def record_canary(self, space_id: str, engine: str, record: dict[str, Any]) -> None:
         """The hashing canary of ``space_id``'s producer under ``engine`` (replaces an older one)."""
@@ -154,17 +143,19 @@ class Registry(ABC):
         return {k[len(prefix):]: v for k, v in self._all("canaries").items() if k.startswith(prefix)}
 
     def record_location(self, ident: str, path: str) -> None:
-        """Where the bundle of a space (``ident`` = space id) or pair (pair id) lies (replaces an older one)."""
+        """Where the bundle of a space or pair record (its ``ident``) lies (replaces an older one)."""
         self._store("locations", ident, {"path": path}, True)
 
     def locations(self) -> dict[str, str]:
-        """Every recorded bundle directory, by space or pair id."""
+        """Every recorded bundle directory, by space or pair record name (``ident``)."""
         return {k: v["path"] for k, v in self._all("locations").items() if isinstance(v, dict) and "path" in v}
 
     def spaces(self) -> list[Space]:
+        """Every registered space generation."""
         return [_space(r) for _, r in sorted(self._all("spaces").items())]
 
     def pairs(self) -> list[Pair]:
+        """Every registered pair (each names its space generation)."""
         return [_pair(r) for _, r in sorted(self._all("pairs").items())]
 
 
@@ -202,25 +193,45 @@ class FileRegistry(Registry):
         return self._read()[kind].get(ident)
 
     def _all(self, kind: str) -> dict[str, dict[str, Any]]:
-        return self._read()[kind]
+        return _current(kind, self._read()[kind])
+
+    def version(self) -> int:
+        return int(self._read().get("version", 0))
+
+    def _write(self, data: dict[str, Any]) -> None:
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f, indent=1, sort_keys=True)
+            os.replace(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
 
     def _store(self, kind: str, ident: str, record: dict[str, Any], replace: bool) -> dict[str, Any] | None:
         with self._locked():
             data = self._read()
             existing = data[kind].get(ident)
-            if existing is not None and existing != record and not replace:
+            if existing == record:
+                return None
+            if existing is not None and not replace:
                 return existing
             data[kind][ident] = record
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
-            try:
-                with os.fdopen(fd, "w") as f:
-                    json.dump(data, f, indent=1, sort_keys=True)
-                os.replace(tmp, self.path)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
+            if kind in VERSIONED:
+                data["version"] = int(data.get("version", 0)) + 1
+            self._write(data)
         return None
+
+    def _delete(self, kind: str, idents: list[str]) -> int:
+        with self._locked():
+            data = self._read()
+            removed = [i for i in idents if data[kind].pop(i, None) is not None]
+            if removed:
+                if kind in VERSIONED:
+                    data["version"] = int(data.get("version", 0)) + 1
+                self._write(data)
+        return len(removed)
 
 
 class RedisRegistry(Registry):
@@ -239,21 +250,44 @@ class RedisRegistry(Registry):
         return None if raw is None else json.loads(raw)
 
     def _all(self, kind: str) -> dict[str, dict[str, Any]]:
-        return {k.decode() if isinstance(k, bytes) else k: json.loads(v)
-                for k, v in self.client.hgetall(self._hash(kind)).items()}
+        return _current(kind, {k.decode() if isinstance(k, bytes) else k: json.loads(v)
+                               for k, v in self.client.hgetall(self._hash(kind)).items()})
+
+    def version(self) -> int:
+        return int(self.client.get(REDIS_VERSION) or 0)
+
+    def _bump(self, kind: str) -> None:
+        if kind in VERSIONED:
+            self.client.incr(REDIS_VERSION)
 
     def _store(self, kind: str, ident: str, record: dict[str, Any], replace: bool) -> dict[str, Any] | None:
         payload = json.dumps(record, sort_keys=True)
+        if not replace and not self.client.hsetnx(self._hash(kind), ident, payload):
+            existing = self._load(kind, ident)
+            return None if existing == record else existing
+        if replace and self._load(kind, ident) == record:
+            return None
         if replace:
             self.client.hset(self._hash(kind), ident, payload)
-            return None
-        if self.client.hsetnx(self._hash(kind), ident, payload):
-            return None
-        existing = self._load(kind, ident)
-        return None if existing == record else existing
+        self._bump(kind)
+        return None
+
+    def _delete(self, kind: str, idents: list[str]) -> int:
+        removed = int(self.client.hdel(self._hash(kind), *idents)) if idents else 0
+        if removed:
+            self._bump(kind)
+        return removed
 
     def close(self) -> None:
         self.client.close()
+
+
+def _current(kind: str, records: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Records of this registry format (space and pair names carry their generation: ``id@v2.<hash>``);
+    records an older scd-store wrote are left out (register the bundle again)."""
+    if kind not in VERSIONED:
+        return records
+    return {k: v for k, v in records.items() if "@" in k}
 
 
 def open_registry(redis_url: str | None = None, path: str | os.PathLike[str] | None = None) -> Registry:

@@ -5,7 +5,11 @@ writes the top tier on the caller's thread and hands the blobs to the
 :class:`~scd_store.store.write_behind.WriteBehind` for every lower tier. Every tier call is
 bounded by ``op_timeout_s`` and gated by the tier's health (:class:`~scd_store.store.guard.TierGuard`):
 a failing tier is a miss, a ``tier_errors`` count and one log line per incident, and comes back
-by itself. Callers hold a :class:`ProducerView` or a :class:`ConsumerView`, granted by the registry.
+by itself. Callers hold a :class:`ProducerView` or a :class:`ConsumerView`, granted by the registry;
+the registry's answers are cached and re-read whenever its version changes (checked every
+``registry_refresh_s`` off the caller's thread), so a revoked pair stops being served within that.
+With a :class:`~scd_store.store.signing.Keyring` every blob written is signed and every blob read
+must verify.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ from scd_store.store.guard import TierGuard
 from scd_store.store.keys import validate_chunk_size
 from scd_store.store.loop import LoopThread
 from scd_store.store.read_path import ReadPath
-from scd_store.store.registry import Pair, Registry, Space
+from scd_store.store.records import NotRegistered, Pair, RegistryError, Space
+from scd_store.store.registry import Registry
+from scd_store.store.signing import Keyring
 from scd_store.store.stats import StoreStats
 from scd_store.store.stats_sinks import StatsSink
 from scd_store.store.tiers.base import LocalTier, Tier
@@ -43,7 +49,8 @@ class TieredStore:
                  queue_size: int | Sequence[int] = 256, writers: int | Sequence[int] = 2,
                  backoff_min_s: float = 0.1, backoff_max_s: float = 5.0,
                  stats_sink: StatsSink | None = None, stats_flush_s: float = 1.0,
-                 tier_timeouts: Mapping[str, float] | None = None) -> None:
+                 tier_timeouts: Mapping[str, float] | None = None, keyring: Keyring | None = None,
+                 registry_refresh_s: float = 2.0) -> None:
         if not tiers:
             raise ValueError("the store needs at least one tier")
         names = [t.name for t in tiers]
@@ -65,12 +72,16 @@ class TieredStore:
         self._sink = stats_sink
         self._stats_flush_s = stats_flush_s
         self._mirror_task: asyncio.Task[None] | None = None
-        self._spaces: dict[tuple[str, str], Space] = {}
-        self._pairs: dict[tuple[str, str], tuple[Pair, Space]] = {}
+        self.keyring = keyring
+        self.registry_refresh_s = registry_refresh_s
+        self._registry_task: asyncio.Task[None] | None = None
+        self._spaces: dict[tuple[str, str, str], Space | None] = {}  # None: revoked
+        self._pairs: dict[tuple[str, str, str], tuple[Pair, Space] | None] = {}
+        self._unsigned_warned: set[str] = set()
         for tier in self.tiers:
             tier.set_evict_listener(self._on_evict)
         self._loop = LoopThread()
-        self.read = ReadPath(self.tiers, self.guard, self.stats, self._loop, self.write_behind)
+        self.read = ReadPath(self.tiers, self.guard, self.stats, self._loop, self.write_behind, keyring)
         self._closed = False
         try:
             self._loop.run(self._start(), timeout=max(30.0, op_timeout_s))
@@ -88,6 +99,12 @@ class TieredStore:
         await self.write_behind.start()
         if self._sink is not None:
             self._mirror_task = asyncio.ensure_future(self._sink_loop())
+        if self.registry_refresh_s > 0:
+            try:  # before any answer is cached: a change from here on is seen
+                seen: int | None = await asyncio.get_running_loop().run_in_executor(None, self.registry.version)
+            except Exception:  # noqa: BLE001 - an unreachable registry: the first successful read sets it
+                seen = None
+            self._registry_task = asyncio.ensure_future(self._registry_loop(seen))
 
     def close(self) -> None:
         """Drain the write queues (up to ``put_timeout_s``), flush stats, stop the loop."""
@@ -106,9 +123,10 @@ class TieredStore:
                 self._sink.close()
 
     async def _stop(self) -> None:
-        if self._mirror_task is not None:
-            self._mirror_task.cancel()
-            await asyncio.gather(self._mirror_task, return_exceptions=True)
+        for task in (self._mirror_task, self._registry_task):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         await self.write_behind.stop()
         for tier in self.tiers:
             with contextlib.suppress(Exception):
@@ -125,28 +143,52 @@ class TieredStore:
         self._loop.run(self.write_behind.join(), timeout=timeout or self.put_timeout_s)
 
     # ----------------------------------------------------------------- faces
-    def producer(self, space_id: str, producer_model_id: str) -> ProducerView:
-        """The write face of one producer into its own space (checked against the registry)."""
-        key = (space_id, producer_model_id)
-        space = self._spaces.get(key)
+    def producer(self, space_id: str, producer_model_id: str, fingerprint: str) -> ProducerView:
+        """The write face of one producer into its own space generation (checked against the registry;
+        :class:`NotRegistered` once revoked)."""
+        key = (space_id, producer_model_id, fingerprint)
+        if key not in self._spaces:
+            self._spaces[key] = self.registry.authorize_write(space_id, producer_model_id, fingerprint)
+        space = self._spaces[key]
         if space is None:
-            space = self.registry.authorize_write(space_id, producer_model_id)
-            self._spaces[key] = space
+            raise NotRegistered(f"code space {space_id!r} (fingerprint {fingerprint}) was revoked")
         return ProducerView(self, space, producer_model_id)
 
-    def consumer(self, pair_id: str, consumer_model_id: str) -> ConsumerView:
-        """The read face of one registered consumer; raises ``NotRegistered`` otherwise."""
-        key = (pair_id, consumer_model_id)
-        resolved = self._pairs.get(key)
+    def consumer(self, pair_id: str, consumer_model_id: str, space_fingerprint: str) -> ConsumerView:
+        """The read face of one registered consumer; raises ``NotRegistered`` otherwise (or once revoked)."""
+        key = (pair_id, consumer_model_id, space_fingerprint)
+        if key not in self._pairs:
+            self._pairs[key] = self.registry.resolve(pair_id, consumer_model_id, space_fingerprint)
+        resolved = self._pairs[key]
         if resolved is None:
-            resolved = self.registry.resolve(pair_id, consumer_model_id)
-            self._pairs[key] = resolved
+            raise NotRegistered(f"pair {pair_id!r} (space fingerprint {space_fingerprint}) was revoked")
         return ConsumerView(self, *resolved)
 
     def forget_registry_cache(self) -> None:
         """Read the registry afresh on the next :meth:`producer` / :meth:`consumer`."""
         self._spaces.clear()
         self._pairs.clear()
+
+    def refresh_registry(self) -> None:
+        """Re-read every cached registry answer (a revoked record becomes a refusal). Blocking: the
+        store's loop runs it when the registry's version changes."""
+        spaces = {k: _answer(self.registry.authorize_write, *k) for k in list(self._spaces)}
+        pairs = {k: _answer(self.registry.resolve, *k) for k in list(self._pairs)}
+        self._spaces.update(spaces)
+        self._pairs.update(pairs)
+
+    async def _registry_loop(self, seen: int | None) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.registry_refresh_s)
+            try:
+                version = await loop.run_in_executor(None, self.registry.version)
+                if seen is not None and version != seen:
+                    await loop.run_in_executor(None, self.refresh_registry)
+                    self.stats.inc("registry_refreshes")
+                seen = version
+            except Exception as exc:  # noqa: BLE001 - an unreachable registry keeps the answers it gave
+                log.debug("registry version check failed: %s", exc)
 
     # ----------------------------------------------------------------- the write
     def write(self, space: Space, keys: Sequence[str], payloads: Sequence[bytes], token_counts: Sequence[int],
@@ -161,11 +203,21 @@ class TieredStore:
                              "must match")
         if sections is not None and len(sections) != len(payloads):
             raise ValueError("sections must give one tuple per payload")
+        signer = None
+        if self.keyring is not None:
+            signer = self.keyring.signer(space.space_id)
+            if signer is None:
+                self.stats.inc("unsigned_puts", len(keys), space=space.space_id)
+                if space.space_id not in self._unsigned_warned:
+                    self._unsigned_warned.add(space.space_id)
+                    log.warning("scd-store: the keyring holds no valid signing key for space %s: not storing its "
+                                "codes (counted as unsigned_puts; logged once)", space.space_id)
+                return []
         items = []
         for i, payload in enumerate(payloads):
             meta = BlobMeta(codec_id, space.fingerprint, int(token_counts[i]), layer_roles, code_dtypes, bit_widths,
                             tuple(sections[i]) if sections is not None else ())
-            items.append((keys[i], encode_blob(meta, payload)))
+            items.append((keys[i], encode_blob(meta, payload, key=keys[i], signer=signer)))
         if not items:
             return []
         nbytes = sum(len(v) for _, v in items)
@@ -210,3 +262,10 @@ class TieredStore:
 
     def _on_evict(self, tier_name: str, key: str, nbytes: int) -> None:
         self.stats.inc("evictions", tier=tier_name, space=space_of(key))
+
+
+def _answer(resolve, *args):  # noqa: ANN001, ANN202 - a registry answer, or None once it is refused
+    try:
+        return resolve(*args)
+    except RegistryError:
+        return None

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from scd_store.store.blob import BlobMeta, Section
 from scd_store.store.keys import hash_keys
-from scd_store.store.registry import Pair, Space
+from scd_store.store.records import Pair, Space
 
 if TYPE_CHECKING:
     from scd_store.store.tiered import TieredStore
@@ -53,12 +53,17 @@ class ProducerView:
             layer_roles: Sequence[str] = (), code_dtypes: Sequence[str] = (), bit_widths: Sequence[int] = (),
             sections: Sequence[Sequence[Section]] | None = None) -> list[str]:
         """Store one payload per chunk hash (16 bytes each), covering ``token_counts`` tokens; returns the keys."""
-        return self.store.write(self.space, hash_keys(self.space.space_id, hashes), payloads, token_counts,
+        return self.store.write(self.space, self.keys(hashes), payloads, token_counts,
                                 codec_id, tuple(layer_roles), tuple(code_dtypes), tuple(bit_widths), sections)
 
+    def keys(self, hashes: Sequence[bytes]) -> list[str]:
+        """The store keys of ``hashes`` in this space generation."""
+        return hash_keys(self.space.space_id, self.space.generation, hashes)
+
     def lookup(self, hashes: Sequence[bytes]) -> PrefixHit:
-        """The leading run of ``hashes`` present in any tier, with the tier of each chunk."""
-        return self.store.read.lookup(self.space.space_id, hash_keys(self.space.space_id, hashes))
+        """The leading run of ``hashes`` present (and, in shared tiers, intact: a bad blob there is deleted
+        and reported absent, so it is stored again) in any tier, with the tier of each chunk."""
+        return self.store.read.lookup(self.space, self.keys(hashes), verify=True)
 
     def contains(self, hashes: Sequence[bytes]) -> int:
         """Length of the leading run of ``hashes`` present in any tier."""
@@ -73,9 +78,13 @@ class ConsumerView:
         self.pair = pair
         self.space = space
 
+    def keys(self, hashes: Sequence[bytes]) -> list[str]:
+        """The store keys of ``hashes`` in this pair's space generation."""
+        return hash_keys(self.space.space_id, self.space.generation, hashes)
+
     def lookup(self, hashes: Sequence[bytes]) -> PrefixHit:
         """The leading run of ``hashes`` present in any tier, with the tier of each chunk."""
-        return self.store.read.lookup(self.space.space_id, hash_keys(self.space.space_id, hashes), self.pair.pair_id)
+        return self.store.read.lookup(self.space, self.keys(hashes), self.pair.pair_id)
 
     def contains(self, hashes: Sequence[bytes]) -> int:
         """Length of the leading run of ``hashes`` present in any tier."""
@@ -83,4 +92,4 @@ class ConsumerView:
 
     def get(self, hashes: Sequence[bytes]) -> list[CodeChunk]:
         """The verified leading run of chunks stored under ``hashes``."""
-        return self.store.read.get(self.space, hash_keys(self.space.space_id, hashes), self.pair.pair_id)
+        return self.store.read.get(self.space, self.keys(hashes), self.pair.pair_id)

@@ -24,9 +24,9 @@ BATCH = 32
 
 
 def space_of(key: str) -> str:
-    """The space id of a store key (``scd:{space}:{hash}``), or "" for a malformed one."""
-    parts = key.split(":", 2)
-    return parts[1] if len(parts) == 3 else ""
+    """The space id of a store key (``scd:{space}:{generation}:{hash}``), or "" for a malformed one."""
+    parts = key.split(":", 3)
+    return parts[1] if len(parts) == 4 else ""
 
 
 class WriteBehind:

@@ -66,12 +66,13 @@ def test_tokens_unknown_pairs_and_writers(service):
     for tokens, match in (([1, "2"], "ints"), ([[1, 2]], "ints"), ([-1, 2], ">= 0"), ("abc", "sequence of ints")):
         with pytest.raises(KeyError_, match=match):
             chunk_hashes(tokens, 8)
+    fingerprint = service.binding(PRODUCER).space.fingerprint
     with pytest.raises(KeyError_, match="16 bytes"):
-        store.producer("tiny-space", PRODUCER).put([b"short"], [b"x"], [8], codec_id="raw")
+        store.producer("tiny-space", PRODUCER, fingerprint).put([b"short"], [b"x"], [8], codec_id="raw")
     with pytest.raises(NotRegistered, match="nope"):
-        store.consumer("nope", "consumer-a")
+        store.consumer("nope", "consumer-a", fingerprint)
     with pytest.raises(NotAuthorized, match="may not write"):
-        store.producer("tiny-space", "consumer-a")
+        store.producer("tiny-space", "consumer-a", fingerprint)
     assert_nothing_stored(service)
 
 

@@ -7,7 +7,6 @@ from scd_store.codecs.scd.bundle import load_space
 from scd_store.codecs.scd.codec import ScdCodec
 from scd_store.codecs.scd.decoder import PairDecoder
 from scd_store.service import KVService, ServiceError
-from scd_store.store.registry import RegistryError
 from tests.bundles import PRODUCER, correlated_state, write_tiny_bundle
 
 HASHES = [bytes([i]) * 16 for i in range(3)]
@@ -73,12 +72,12 @@ def test_a_codec_refusal_ends_the_run_and_is_counted(store, bundle, tmp_path):
     write_tiny_bundle(other, consumers=("consumer-a",), budget=0.2)  # same ids, another space fingerprint
     bad = ScdCodec(load_space(other))
     # overwrite chunk 1 with a payload of another space under a valid blob header of this space
-    store.producer("tiny-space", PRODUCER).put([HASHES[1]], [bad.encode(parts[1])], [8], codec_id=bad.codec_id)
+    store.producer("tiny-space", PRODUCER, service.binding(PRODUCER).space.fingerprint).put([HASHES[1]], [bad.encode(parts[1])], [8], codec_id=bad.codec_id)
     assert len(service.get("consumer-a", HASHES)) == 1
     assert store.stats.value("refused_chunks", pair="tiny-space/consumer-a") == 1
     # a payload that decodes to another token count than its blob header says is refused too
     good = service.binding(PRODUCER).codec
-    store.producer("tiny-space", PRODUCER).put([HASHES[1]], [good.encode(parts[1])], [4], codec_id=good.codec_id)
+    store.producer("tiny-space", PRODUCER, service.binding(PRODUCER).space.fingerprint).put([HASHES[1]], [good.encode(parts[1])], [4], codec_id=good.codec_id)
     assert len(service.get("consumer-a", HASHES)) == 1
     assert store.stats.value("refused_chunks", pair="tiny-space/consumer-a") == 2
 
@@ -90,8 +89,23 @@ def test_bad_configuration_fails_loudly(store, bundle, tmp_path):
         KVService(store, [bundle, bundle])
     other = tmp_path / "other"
     write_tiny_bundle(other, consumers=("consumer-a",), budget=0.2)
-    with pytest.raises(RegistryError, match="already registered"):
-        KVService(store, [other])  # same space id, different contents
+    with pytest.raises(ServiceError, match="bound twice"):
+        KVService(store, [bundle, other])  # two generations of one space in one process
+
+
+def test_a_second_bundle_generation_coexists_in_the_registry(store, bundle, tmp_path):
+    """A recalibrated bundle of the same space id is a new generation (a rollout), not a conflict: both are
+    registered, each process serves the one it was given, and their blobs never share a key."""
+    first = KVService(store, [bundle])
+    other = tmp_path / "other"
+    write_tiny_bundle(other, consumers=("consumer-a",), budget=0.2)
+    second = KVService(store, [other])
+    old, new = (s.binding(PRODUCER).space for s in (first, second))
+    assert old.fingerprint != new.fingerprint
+    assert {s.fingerprint for s in store.registry.spaces()} == {old.fingerprint, new.fingerprint}
+    _, parts = chunks()
+    first.put(PRODUCER, HASHES, parts)
+    assert len(first.get("consumer-a", HASHES)) == len(HASHES) and second.get("consumer-a", HASHES) == []
 
 
 def test_identity_decoder_roundtrip_is_close(store, bundle):

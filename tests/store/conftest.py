@@ -15,7 +15,7 @@ from scd_store.store.tiers.disk import DiskTier
 
 SPACE = Space("space-a", "producer-m", "prod-fp", "space-fp", codec_id="raw", chunk_size=4,
               raw_kv_bytes_per_token=1000)
-PAIR = Pair("pair-a", "space-a", "consumer-m", "cons-fp", "pair-fp")
+PAIR = Pair("pair-a", "space-a", "consumer-m", "cons-fp", "pair-fp", "space-fp")
 TOKENS = list(range(4 * 6 + 2))  # 6 whole chunks of 4, plus 2 unhashed tokens
 HASHES = chunk_hashes(TOKENS, 4)
 PAYLOADS = [bytes([i]) * (50 + i) for i in range(6)]
@@ -23,7 +23,7 @@ PAYLOADS = [bytes([i]) * (50 + i) for i in range(6)]
 
 def put_all(store: TieredStore, n: int = 6) -> list[str]:
     """The producer's put of the first ``n`` chunks of ``TOKENS``."""
-    return store.producer("space-a", "producer-m").put(HASHES[:n], PAYLOADS[:n], [4] * n, codec_id="raw")
+    return store.producer("space-a", "producer-m", "space-fp").put(HASHES[:n], PAYLOADS[:n], [4] * n, codec_id="raw")
 
 
 class FailingTier(Tier):
@@ -90,4 +90,4 @@ def store(tmp_path, registry):
 
 @pytest.fixture
 def consumer(store):
-    return store.consumer("pair-a", "consumer-m")
+    return store.consumer("pair-a", "consumer-m", "space-fp")

@@ -3,10 +3,10 @@ from __future__ import annotations
 import asyncio
 import os
 
-from scd_store.store.keys import chunk_hashes, hash_keys
+from scd_store.store.keys import chunk_hashes, generation_of, hash_keys
 from scd_store.store.tiers.disk import DiskTier
 
-KEYS = hash_keys("sp", chunk_hashes(list(range(40)), 4))
+KEYS = hash_keys("sp", generation_of("fp"), chunk_hashes(list(range(40)), 4))
 
 
 def run(coro):
@@ -18,7 +18,7 @@ def test_round_trip_and_layout(tmp_path) -> None:
     run(tier.start())
     run(tier.put_many([(KEYS[0], b"hello"), (KEYS[1], b"world")]))
     assert run(tier.get_many([KEYS[0], KEYS[1], KEYS[2]])) == [b"hello", b"world", None]
-    assert tier.path_for(KEYS[0]).is_file() and tier.path_for(KEYS[0]).parent.parent.name == "sp"
+    assert tier.path_for(KEYS[0]).is_file() and tier.path_for(KEYS[0]).parent.parent.parent.name == "sp"
     assert run(tier.contains_many(KEYS[:3])) == [True, True, False]
     assert run(tier.delete(KEYS[0])) and not tier.path_for(KEYS[0]).exists()
     assert tier.usage().items == 1 and tier.usage().bytes_used == 5

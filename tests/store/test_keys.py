@@ -8,6 +8,7 @@ from scd_store.store.keys import (
     ROOT_HASH,
     KeyError_,
     chunk_hashes,
+    generation_of,
     hash_keys,
     make_key,
     parse_key,
@@ -42,12 +43,23 @@ def test_stable_across_input_types() -> None:
 
 
 def test_key_format_and_parse() -> None:
-    keys = hash_keys("space.1", chunk_hashes(list(range(512))))
-    assert len(keys) == 2
+    generation = generation_of("fp-1")
+    keys = hash_keys("space.1", generation, chunk_hashes(list(range(512))))
+    assert len(keys) == 2 and generation.startswith("v2.") and len(generation) == 19
     for key in keys:
-        space, hex_ = parse_key(key)
-        assert key == f"scd:space.1:{hex_}" and space == "space.1" and len(hex_) == 32
-    assert make_key("space.1", bytes.fromhex(parse_key(keys[0])[1])) == keys[0]
+        space, gen, hex_ = parse_key(key)
+        assert key == f"scd:space.1:{generation}:{hex_}" and space == "space.1" and len(hex_) == 32
+        assert gen == generation
+    assert make_key("space.1", generation, bytes.fromhex(parse_key(keys[0])[2])) == keys[0]
+
+
+def test_generations_never_share_keys() -> None:
+    """Two bundle generations of a space (and two blob formats) key the same chunk differently."""
+    hashes = chunk_hashes(list(range(256)))
+    old, new = (hash_keys("sp", generation_of(fp), hashes) for fp in ("fp-old", "fp-new"))
+    assert old != new and hash_keys("sp", generation_of("fp-old", version=3), hashes) != old
+    with pytest.raises(KeyError_):
+        hash_keys("sp", "fp-old", hashes)  # a fingerprint is not a generation
 
 
 @pytest.mark.parametrize("tokens", [[1, 2.5, 3, 4], ["a", "b"], [1, -1, 2, 3], [[1, 2], [3, 4]], "abcd", [2**70]])
@@ -62,7 +74,8 @@ def test_bad_space_ids(space) -> None:
         validate_space_id(space)
 
 
-@pytest.mark.parametrize("key", ["scd:sp:xyz", "foo:sp:" + "0" * 32, "scd:sp", "scd:a:b:" + "0" * 32])
+@pytest.mark.parametrize("key", ["scd:sp:xyz", "foo:sp:" + "0" * 32, "scd:sp", "scd:sp:" + "0" * 32,
+                                 "scd:a:b:" + "0" * 32, "scd:a:v2.0123456789abcdef:" + "0" * 31])
 def test_bad_keys(key) -> None:
     with pytest.raises(KeyError_):
         parse_key(key)
@@ -71,7 +84,7 @@ def test_bad_keys(key) -> None:
 @pytest.mark.parametrize("chunk_hash", [b"short", b"x" * 17, "00" * 16, None])
 def test_bad_chunk_hashes(chunk_hash) -> None:
     with pytest.raises(KeyError_):
-        hash_keys("sp", [chunk_hash])
+        hash_keys("sp", generation_of("fp"), [chunk_hash])
 
 
 def test_bad_chunk_size() -> None:

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import asyncio
 
-from scd_store.store.keys import chunk_hashes, hash_keys
+from scd_store.store.keys import chunk_hashes, generation_of, hash_keys
 from scd_store.store.tiered import TieredStore
 from scd_store.store.tiers.cpu import CpuTier
 from scd_store.store.tiers.peer import PeerTier
 from scd_store.store.transfer.directory import FilePeerDirectory
 from tests.store.conftest import HASHES, PAYLOADS, put_all
 
-KEYS = hash_keys("sp", chunk_hashes(list(range(40)), 4))
+KEYS = hash_keys("sp", generation_of("fp"), chunk_hashes(list(range(40)), 4))
 
 
 def run(coro):
@@ -57,7 +57,7 @@ def test_in_the_store_walk_a_peer_hit_is_verified_and_promoted(tmp_path, registr
     try:
         put_all(producer_side)
         producer_side.flush()
-        consumer = consumer_side.consumer("pair-a", "consumer-m")
+        consumer = consumer_side.consumer("pair-a", "consumer-m", "space-fp")
         chunks = consumer.get(HASHES)
         assert [bytes(c.payload) for c in chunks] == PAYLOADS and {c.tier for c in chunks} == {"peer"}
         assert consumer.lookup(HASHES).tiers == ("cpu",) * 6  # promoted

@@ -73,15 +73,33 @@ def test_corrupt_everywhere_truncates_the_run(store, consumer) -> None:
     chunks = consumer.get(HASHES)
     assert len(chunks) == 3
     assert store.stats.value("corrupt_blobs") == 2
-    assert not store.tiers[0].contains_now(keys[3])
+    assert not store.tiers[0].contains_now(keys[3])  # this host's tiers: the reader deletes
     assert not store.tiers[1].path_for(keys[3]).exists()
 
 
-def test_blob_from_another_space_fingerprint_is_rejected(store, registry) -> None:
-    from scd_store.store.registry import Space
+def test_a_blob_of_another_generation_under_this_key_is_a_miss_never_deleted(store, registry) -> None:
+    """A well-formed blob whose fingerprint is not the key's generation (planted or misrouted): a miss,
+    counted as foreign, left where it is (another generation's reader may be right to hold it)."""
+    from scd_store.store.blob import BlobMeta, encode_blob
 
-    put_all(store)  # written under fingerprint "space-fp"
-    registry.register_space(Space("space-a", "producer-m", "prod-fp", "space-fp-v2", chunk_size=4), replace=True)
-    store.forget_registry_cache()
-    assert store.consumer("pair-a", "consumer-m").get(HASHES) == []
-    assert store.stats.value("corrupt_blobs") >= 1
+    keys = put_all(store)
+    store.flush()
+    foreign = encode_blob(BlobMeta("raw", "space-fp-v2", 4), PAYLOADS[2], key=keys[2])
+    store.tiers[0].put_now(keys[2], foreign)
+    asyncio.run(store.tiers[1].put(keys[2], foreign))
+    chunks = store.consumer("pair-a", "consumer-m", "space-fp").get(HASHES)
+    assert len(chunks) == 2
+    assert store.stats.value("foreign_blobs") == 2 and store.stats.value("corrupt_blobs") == 0
+    assert store.tiers[0].get_now(keys[2]) == foreign and store.tiers[1].path_for(keys[2]).exists()
+
+
+def test_header_bounds_are_checked_before_decoding(store) -> None:
+    """A blob claiming more tokens than a chunk of its space holds is refused (corrupt), not served."""
+    from scd_store.store.blob import BlobMeta, encode_blob
+
+    keys = put_all(store)
+    store.flush()
+    store.tiers[0].put_now(keys[0], encode_blob(BlobMeta("raw", "space-fp", 1 << 40), PAYLOADS[0], key=keys[0]))
+    asyncio.run(store.tiers[1].delete(keys[0]))
+    assert store.consumer("pair-a", "consumer-m", "space-fp").get(HASHES) == []
+    assert store.stats.value("corrupt_blobs") == 1

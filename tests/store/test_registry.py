@@ -15,7 +15,7 @@ from scd_store.store.registry import (
 )
 
 SPACE = Space("sp", "base-model", "base-fp", "bundle-fp")
-PAIR = Pair("p1", "sp", "tuned-model", "tuned-fp", "pair-fp")
+PAIR = Pair("p1", "sp", "tuned-model", "tuned-fp", "pair-fp", "bundle-fp")
 
 
 def test_register_and_resolve(tmp_path) -> None:
@@ -23,35 +23,75 @@ def test_register_and_resolve(tmp_path) -> None:
     reg.register_space(SPACE)
     reg.register_pair(PAIR)
     again = FileRegistry(tmp_path / "r.json")  # another process reading the same file
-    assert again.resolve("p1", "tuned-model") == (PAIR, SPACE)
-    assert again.authorize_write("sp", "base-model") == SPACE
+    assert again.resolve("p1", "tuned-model", "bundle-fp") == (PAIR, SPACE)
+    assert again.authorize_write("sp", "base-model", "bundle-fp") == SPACE
     assert [s.space_id for s in again.spaces()] == ["sp"] and [p.pair_id for p in again.pairs()] == ["p1"]
-    assert json.loads((tmp_path / "r.json").read_text())["pairs"]["p1"]["space_id"] == "sp"
+    assert json.loads((tmp_path / "r.json").read_text())["pairs"][PAIR.ident]["space_id"] == "sp"
 
 
 def test_errors_are_specific(tmp_path) -> None:
     reg = FileRegistry(tmp_path / "r.json")
-    with pytest.raises(NotRegistered, match="code space 'sp' is not registered"):
+    with pytest.raises(NotRegistered, match="code space 'sp' .* is not registered"):
         reg.register_pair(PAIR)
     reg.register_space(SPACE)
     reg.register_pair(PAIR)
     with pytest.raises(NotRegistered, match="pair 'p2'"):
-        reg.resolve("p2", "tuned-model")
+        reg.resolve("p2", "tuned-model", "bundle-fp")
+    with pytest.raises(NotRegistered, match="pair 'p1'"):
+        reg.resolve("p1", "tuned-model", "another-generation")
     with pytest.raises(NotRegistered, match="'other' is not registered for pair 'p1'"):
-        reg.resolve("p1", "other")
+        reg.resolve("p1", "other", "bundle-fp")
     with pytest.raises(NotAuthorized, match="only its producer 'base-model'"):
-        reg.authorize_write("sp", "tuned-model")
+        reg.authorize_write("sp", "tuned-model", "bundle-fp")
 
 
 def test_conflicting_registration_needs_replace(tmp_path) -> None:
     reg = FileRegistry(tmp_path / "r.json")
     reg.register_space(SPACE)
     reg.register_space(SPACE)  # identical: idempotent
-    changed = Space("sp", "base-model", "base-fp", "bundle-fp-2")
+    changed = Space("sp", "other-base", "base-fp", "bundle-fp")  # same generation, other contents
     with pytest.raises(RegistryError, match="already registered"):
         reg.register_space(changed)
     reg.register_space(changed, replace=True)
-    assert reg.space("sp").fingerprint == "bundle-fp-2"
+    assert reg.space("sp", "bundle-fp").producer_model_id == "other-base"
+
+
+def check_generations_and_revocation(reg) -> None:
+    """A new bundle generation of a space is a record of its own (a rollout), not a conflict; revoking one
+    generation leaves the other, and every change bumps the version stores watch (also run on Redis by
+    integration_tests/test_redis_roles.py)."""
+    reg.register_space(SPACE)
+    reg.register_pair(PAIR)
+    v0 = reg.version()
+    new_space = Space("sp", "base-model", "base-fp", "bundle-fp-2")
+    new_pair = Pair("p1", "sp", "tuned-model", "tuned-fp", "pair-fp-2", "bundle-fp-2")
+    reg.register_space(new_space)
+    reg.register_pair(new_pair)
+    assert reg.version() == v0 + 2
+    reg.register_pair(new_pair)  # identical: no change, no bump
+    assert reg.version() == v0 + 2
+    assert reg.resolve("p1", "tuned-model", "bundle-fp") == (PAIR, SPACE)
+    assert reg.resolve("p1", "tuned-model", "bundle-fp-2") == (new_pair, new_space)
+    assert reg.revoke("sp", "bundle-fp") == [SPACE.ident, PAIR.ident]
+    assert reg.version() > v0 + 2
+    with pytest.raises(NotRegistered):
+        reg.resolve("p1", "tuned-model", "bundle-fp")
+    assert reg.resolve("p1", "tuned-model", "bundle-fp-2") == (new_pair, new_space)
+    assert reg.revoke("p1") == [new_pair.ident] and reg.pairs() == [] and reg.spaces() == [new_space]
+    assert reg.revoke("nothing") == []
+
+
+def test_generations_coexist_and_revocation_bumps_the_version(tmp_path) -> None:
+    check_generations_and_revocation(FileRegistry(tmp_path / "r.json"))
+
+
+def test_records_of_an_older_registry_format_are_left_out(tmp_path) -> None:
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"spaces": {"sp": {"space_id": "sp"}}, "pairs": {"p1": {"pair_id": "p1"}}}))
+    reg = FileRegistry(path)
+    assert reg.spaces() == [] and reg.pairs() == []
+    reg.register_space(SPACE)
+    assert reg.spaces() == [SPACE]
 
 
 def test_malformed_file_and_records(tmp_path) -> None:

@@ -10,22 +10,22 @@ from tests.store.conftest import HASHES, PAYLOADS, put_all
 
 def test_only_the_producer_writes_its_space(store) -> None:
     with pytest.raises(NotAuthorized, match="consumer-m"):
-        store.producer("space-a", "consumer-m")
+        store.producer("space-a", "consumer-m", "space-fp")
     with pytest.raises(NotRegistered):
-        store.producer("space-b", "producer-m")
-    view = store.consumer("pair-a", "consumer-m")
+        store.producer("space-b", "producer-m", "space-fp")
+    view = store.consumer("pair-a", "consumer-m", "space-fp")
     assert not hasattr(view, "put")
 
 
 def test_unregistered_consumer_gets_clear_error(store) -> None:
-    with pytest.raises(NotRegistered, match="pair 'nope' is not registered"):
-        store.consumer("nope", "consumer-m")
+    with pytest.raises(NotRegistered, match="pair 'nope' .*is not registered"):
+        store.consumer("nope", "consumer-m", "space-fp")
     with pytest.raises(NotRegistered, match="'intruder' is not registered for pair 'pair-a'"):
-        store.consumer("pair-a", "intruder")
+        store.consumer("pair-a", "intruder", "space-fp")
 
 
 def test_producer_view_and_mismatched_payloads(store, consumer) -> None:
-    view = store.producer("space-a", "producer-m")
+    view = store.producer("space-a", "producer-m", "space-fp")
     view.put(HASHES[:2], PAYLOADS[:2], [4, 4], codec_id="raw", layer_roles=("reuse",), bit_widths=(4,))
     assert view.contains(HASHES) == 2
     assert consumer.get(HASHES)[0].meta.bit_widths == (4,)
@@ -34,7 +34,7 @@ def test_producer_view_and_mismatched_payloads(store, consumer) -> None:
 
 
 def test_a_partial_last_chunk_keeps_its_token_count(store, consumer) -> None:
-    store.producer("space-a", "producer-m").put(HASHES[:2], PAYLOADS[:2], [4, 3], codec_id="raw")
+    store.producer("space-a", "producer-m", "space-fp").put(HASHES[:2], PAYLOADS[:2], [4, 3], codec_id="raw")
     assert [c.token_count for c in consumer.get(HASHES)] == [4, 3]
 
 

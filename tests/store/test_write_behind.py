@@ -13,7 +13,7 @@ def test_failing_tier_is_a_miss_logged_once_and_recovers(registry, caplog) -> No
     flaky = FailingTier()
     store = TieredStore([CpuTier(1 << 20), flaky], registry, chunk_size=4, backoff_min_s=0.01, backoff_max_s=0.02)
     try:
-        consumer = store.consumer("pair-a", "consumer-m")
+        consumer = store.consumer("pair-a", "consumer-m", "space-fp")
         keys = put_all(store)
         store.flush()
         assert len(flaky.data) == 6
@@ -43,7 +43,7 @@ def test_back_pressure_blocks_then_drops_when_lower_tier_stalls(registry) -> Non
     try:
         put_all(store)
         # the top tier took everything synchronously; the bounded queue refused the overflow
-        assert store.consumer("pair-a", "consumer-m").contains(HASHES) == 6
+        assert store.consumer("pair-a", "consumer-m", "space-fp").contains(HASHES) == 6
         assert store.stats.value("rejected_blobs", tier="slow") >= 1
     finally:
         store.close()

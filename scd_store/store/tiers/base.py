@@ -34,6 +34,7 @@ class Tier(ABC):
 
     kind: str = "tier"
     local: bool = False
+    shared: bool = False  # other hosts' processes read it (Redis, peers): readers never delete there
 
     def __init__(self, name: str | None = None) -> None:
         self.name = name or self.kind

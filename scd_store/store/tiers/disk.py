@@ -1,6 +1,6 @@
 """The disk tier: one file per blob under a root directory, byte-bounded with LRU eviction.
 
-Files live at ``root/<space_id>/<hash[:2]>/<hash>.scdb``. Writes go to a unique temp file in the
+Files live at ``root/<space_id>/<generation>/<hash[:2]>/<hash>.scdb``. Writes go to a unique temp file in the
 same directory (named with the writer's pid) and are renamed into place, so a reader sees the old
 file, the new file or none, never half a file.
 
@@ -61,8 +61,9 @@ def scan(root: Path) -> list[tuple[float, str, int]]:
                 continue
             if not fname.endswith(SUFFIX):
                 continue
-            space_id = os.path.basename(os.path.dirname(dirpath))
-            key = f"scd:{space_id}:{fname[:-len(SUFFIX)]}"
+            generation_dir = os.path.dirname(dirpath)
+            space_id, generation = os.path.basename(os.path.dirname(generation_dir)), os.path.basename(generation_dir)
+            key = f"scd:{space_id}:{generation}:{fname[:-len(SUFFIX)]}"
             try:
                 parse_key(key)
             except ValueError:
@@ -94,8 +95,8 @@ class DiskTier(Tier):
         self._rescan_task: asyncio.Task[None] | None = None
 
     def path_for(self, key: str) -> Path:
-        space_id, hex_ = parse_key(key)
-        return self.root / space_id / hex_[:2] / f"{hex_}{SUFFIX}"
+        space_id, generation, hex_ = parse_key(key)
+        return self.root / space_id / generation / hex_[:2] / f"{hex_}{SUFFIX}"
 
     async def start(self) -> None:
         self.rebuild_index()

@@ -28,6 +28,7 @@ class PeerTier(Tier):
     """Blobs in peers' registered memory (and, with ``publish_bytes``, in this process's)."""
 
     kind = "peer"
+    shared = True
 
     def __init__(self, directory: PeerDirectory, *, publish_bytes: int = 0, transfer: str = "auto",
                  read_timeout_s: float = 1.0, name: str | None = None) -> None:

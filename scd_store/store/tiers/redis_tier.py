@@ -25,6 +25,7 @@ class RedisTier(Tier):
     """Blobs in Redis (standalone, TLS, Sentinel or Cluster, chosen by the URL)."""
 
     kind = "redis"
+    shared = True
 
     def __init__(self, url: str, *, ttl_s: float | None = None, max_value_bytes: int = 512 << 20,
                  server_maxmemory: int | None = None, maxmemory_policy: str = "allkeys-lru",
