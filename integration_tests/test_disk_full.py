@@ -51,16 +51,16 @@ def test_full_disk_is_a_counted_miss_and_recovers(small_fs, tmp_path):
         assert leftovers == []  # no half-written files left behind
         on_disk = store._loop.run(disk.contains_many(store_keys(store)), timeout=5)
         assert 0 < sum(on_disk) < len(PAYLOADS)
-        # free the space: the next write probes the tier, it recovers by itself, later writes reach the disk
-        # (writes offered while the tier is in backoff are dropped and counted as rejected_blobs)
+        # free the space: the re-sync probes the tier, it recovers by itself, and the blobs it missed are
+        # written from the CPU tier without another put (dropped_writes, then resynced_writes)
+        assert store.stats.value("dropped_writes", tier=disk.name) > 0
         os.unlink(filler)
-        time.sleep(0.3)
-        for _ in range(2):
-            put_tokens(store, "sp", "prod", TOKENS, PAYLOADS)
-            store.flush()
-            time.sleep(0.3)
-        assert all(store._loop.run(disk.contains_many(store_keys(store)), timeout=5))
-        assert store.stats.value("rejected_blobs", tier=disk.name) > 0
+        deadline = time.monotonic() + 10
+        while not all(store._loop.run(disk.contains_many(store_keys(store)), timeout=5)):
+            assert time.monotonic() < deadline, "the disk tier never got the blobs it missed"
+            time.sleep(0.1)
+        assert store.stats.value("resynced_writes", tier=disk.name) > 0
+        assert store.stats.value("lost_writes", tier=disk.name) == 0
     finally:
         store.close()
 

@@ -59,7 +59,7 @@ def test_acl_user_reads_and_writes_and_bad_credentials_are_misses(tmp_path):
         # the registry lives in Redis under the same user (keys scd:__registry__:*)
         reg = RedisRegistry(url)
         reg.register_space(SPACE)
-        assert reg.space("sec") == SPACE
+        assert reg.space("sec", "space-fp") == SPACE
 
 
 def test_tls_with_a_self_signed_certificate(tmp_path):

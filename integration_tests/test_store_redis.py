@@ -106,7 +106,7 @@ def test_max_value_bytes_and_server_maxmemory(tmp_path) -> None:
     keys = keys_of("sp", "space-fp", list(range(4 * 40)), 4)
     with RedisServer(tmp_path / "small") as srv:
         async def go() -> RedisTier:
-            tier = RedisTier(srv.url, max_value_bytes=1 << 20, server_maxmemory=4 << 20)
+            tier = RedisTier(srv.url, max_value_bytes=1 << 20, server_maxmemory=4 << 20, ttl_s=3600)
             await tier.start()
             try:
                 await tier.put(keys[0], b"x" * ((1 << 20) + 1))
@@ -116,10 +116,15 @@ def test_max_value_bytes_and_server_maxmemory(tmp_path) -> None:
                 await tier.close()
             return tier
 
+        client = redis.Redis(host="127.0.0.1", port=srv.port)
+        registry = RedisRegistry(srv.url)
+        registry.register_space(SPACE)  # no TTL: under volatile-lru the registry is never evicted
         tier = run(go())
         assert tier.rejected == 1
-        client = redis.Redis(host="127.0.0.1", port=srv.port)
         assert client.config_get("maxmemory")["maxmemory"] == str(4 << 20)
+        assert client.config_get("maxmemory-policy")["maxmemory-policy"] == "volatile-lru"
+        assert registry.space("sp", "space-fp") == SPACE
+        registry.close()
         assert client.dbsize() < len(keys)  # the server evicted to stay within its budget
         assert not client.exists(keys[0]) and client.exists(keys[-1])
         client.close()
@@ -137,7 +142,10 @@ def test_store_over_redis_round_trip_and_corruption(server, raw, registry) -> No
         chunks = get_tokens(store, "pair", "consumer-m", TOKENS)
         assert [bytes(c.payload) for c in chunks] == PAYLOADS[:5] and {c.tier for c in chunks} == {"redis"}
         assert store.stats.value("corrupt_blobs", tier="redis") == 1
-        assert not raw.exists(keys[5])  # evicted from Redis
+        assert raw.exists(keys[5])  # a reader never deletes from a shared tier
+        producer = store.producer("sp", "producer-m", "space-fp")
+        assert producer.contains(chunk_hashes(TOKENS, 4)) == 5  # the producer's lookup verifies Redis...
+        assert not raw.exists(keys[5])  # ...and quarantines the bad blob, so its engine stores it again
         assert hit_tokens(store, "pair", "consumer-m", TOKENS) == 20
         assert store.stats.value("bytes_saved", pair="pair") == 5 * 4 * 500 - sum(len(raw.get(k)) for k in keys[:5])
     finally:
@@ -202,12 +210,12 @@ def test_registry_in_redis(server, raw) -> None:
     reg.register_space(SPACE)
     reg.register_pair(PAIR)
     other = RedisRegistry(server.url)  # another process
-    assert other.resolve("pair", "consumer-m") == (PAIR, SPACE)
+    assert other.resolve("pair", "consumer-m", "space-fp") == (PAIR, SPACE)
     with pytest.raises(NotRegistered, match="'stranger' is not registered"):
-        other.resolve("pair", "stranger")
+        other.resolve("pair", "stranger", "space-fp")
     with pytest.raises(NotRegistered):
-        other.pair("missing")
-    assert json.loads(raw.hget("scd:__registry__:spaces", "sp"))["producer_model_id"] == "producer-m"
+        other.pair("missing", "space-fp")
+    assert json.loads(raw.hget("scd:__registry__:spaces", SPACE.ident))["producer_model_id"] == "producer-m"
     reg.close()
     other.close()
 
@@ -215,7 +223,7 @@ def test_registry_in_redis(server, raw) -> None:
 def test_registry_in_cluster(cluster) -> None:
     reg = RedisRegistry(cluster.url)
     reg.register_space(SPACE, replace=True)
-    assert reg.space("sp") == SPACE
+    assert reg.space("sp", "space-fp") == SPACE
     reg.close()
 
 

@@ -25,7 +25,8 @@ STORE_DOCS = {
     "metrics_port": "serve Prometheus metrics (`scd_store_*`) on this loopback port",
     "raw_kv_bytes_per_token": "raw KV bytes per token for `bytes_saved` when a space does not say",
     "signing_keys": "a key file, or a directory of `<space_id>.keys` files (+ `default.keys`): producers sign "
-                    "every blob with it, readers accept only blobs that verify (docs/reliability.md); never in a bundle",
+                    "every blob with it, readers accept only blobs that verify (docs/reliability.md); never in a "
+                    "bundle",
     "require_signed": "refuse to start without signing keys (set it wherever a shared tier is used)",
     "registry_refresh_s": "how often the registry's version is checked; a revoked or changed space or pair takes "
                           "effect within this (0: never)",

@@ -39,6 +39,10 @@ class TierHealth:
             self._next_try = now + self._backoff  # only one probe per backoff period
             return True
 
+    def due(self) -> bool:
+        """Whether a call now would be let through (no probe is used up asking)."""
+        return not self.down or self._clock() >= self._next_try
+
     def failed(self, exc: BaseException) -> None:
         with self._lock:
             now = self._clock()

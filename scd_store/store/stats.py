@@ -33,7 +33,12 @@ COUNTERS: dict[str, str] = {
     "unsigned_puts": "producer chunks not stored because the keyring held no valid key for their space",
     "revoked_requests": "requests of models whose space or pair the registry no longer holds (revoked): a miss",
     "registry_refreshes": "times the registry's version changed and its cached answers were re-read",
-    "rejected_blobs": "blobs a tier refused (too large, queue full)",
+    "rejected_blobs": "promotions a lower tier's queue had no room for (nothing is owed)",
+    "dropped_writes": "blobs a lower tier did not get when written (down, queue full, write failed): kept for its "
+                      "re-sync",
+    "resynced_writes": "dropped blobs written to their tier after it came back (read back from the top tier)",
+    "lost_writes": "dropped blobs no re-sync will write (forgotten past resync_keys, gone from the top tier, or "
+                   "pending at close)",
     "tier_errors": "tier operations that failed or timed out",
     "evictions": "blobs a tier evicted to stay in its bounds",
     "promotions": "blobs copied up to a faster tier on a hit",

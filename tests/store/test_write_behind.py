@@ -44,9 +44,53 @@ def test_back_pressure_blocks_then_drops_when_lower_tier_stalls(registry) -> Non
         put_all(store)
         # the top tier took everything synchronously; the bounded queue refused the overflow
         assert store.consumer("pair-a", "consumer-m", "space-fp").contains(HASHES) == 6
-        assert store.stats.value("rejected_blobs", tier="slow") >= 1
+        assert store.stats.value("dropped_writes", tier="slow") >= 1
     finally:
         store.close()
+
+
+def test_writes_a_down_tier_missed_are_resynced_when_it_comes_back(registry) -> None:
+    flaky = FailingTier()
+    flaky.broken = True
+    store = TieredStore([CpuTier(1 << 20), flaky], registry, chunk_size=4, backoff_min_s=0.01, backoff_max_s=0.05)
+    try:
+        t0 = time.monotonic()
+        keys = put_all(store)
+        store.flush()
+        assert time.monotonic() - t0 < 2  # nothing waits on a down tier
+        assert not flaky.data and store.stats.value("dropped_writes", tier="flaky") == 6
+        assert store.write_behind.pending() == {"flaky": 6}
+        flaky.broken = False
+        deadline = time.monotonic() + 5
+        while len(flaky.data) < 6 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert sorted(flaky.data) == sorted(keys) and store.stats.value("resynced_writes", tier="flaky") == 6
+        assert store.write_behind.pending() == {"flaky": 0} and store.stats.value("lost_writes") == 0
+    finally:
+        assert store.close() == {}
+
+
+def test_close_drains_within_its_deadline_and_reports_what_it_could_not_write(registry) -> None:
+    flaky = FailingTier()
+    flaky.broken = True
+    store = TieredStore([CpuTier(1 << 20), flaky], registry, chunk_size=4, backoff_min_s=5.0, backoff_max_s=5.0)
+    put_all(store)
+    t0 = time.monotonic()
+    assert store.close(timeout=0.2) == {"flaky": 6}
+    assert time.monotonic() - t0 < 5 and store.stats.value("lost_writes", tier="flaky") == 6
+
+
+def test_resync_is_bounded(registry) -> None:
+    flaky = FailingTier()
+    flaky.broken = True
+    store = TieredStore([CpuTier(1 << 20), flaky], registry, chunk_size=4, backoff_min_s=5.0, backoff_max_s=5.0)
+    store.write_behind.resync_keys = 4
+    try:
+        put_all(store)
+        store.flush()
+        assert store.write_behind.pending() == {"flaky": 4} and store.stats.value("lost_writes", tier="flaky") == 2
+    finally:
+        store.close(timeout=0.1)
 
 
 def test_flush_waits_for_every_lower_tier(registry) -> None:

@@ -1,9 +1,12 @@
 """The Redis tier: shared, remote blobs through redis-py asyncio (hiredis parser when installed).
 
 Each blob is written with ONE ``SET`` (optionally with a TTL), which Redis applies atomically: a
-reader sees the whole old value, the whole new value or nothing. Values above ``max_value_bytes``
-are refused (counted in ``rejected``). A total byte budget is the server's job (``maxmemory`` with
-an LRU policy); ``server_maxmemory`` asks the tier to set it on start.
+reader sees the whole old value, the whole new value or nothing. With a TTL every hit refreshes it
+(``GETEX``), so blobs in use stay and the rest expire (also how a bad blob no producer rewrites
+leaves). Values above ``max_value_bytes`` are refused (counted in ``rejected``). A total byte budget
+is the server's job: ``maxmemory`` with ``maxmemory-policy volatile-lru``, which evicts only keys
+with a TTL (blobs), never the registry or the counters (docs/store.md). The tier changes no server
+setting unless ``server_maxmemory`` asks it to (``CONFIG SET`` needs an admin user).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ class RedisTier(Tier):
     shared = True
 
     def __init__(self, url: str, *, ttl_s: float | None = None, max_value_bytes: int = 512 << 20,
-                 server_maxmemory: int | None = None, maxmemory_policy: str = "allkeys-lru",
+                 server_maxmemory: int | None = None, maxmemory_policy: str = "volatile-lru",
                  socket_timeout: float = 2.0, connect_timeout: float = 1.0, name: str | None = None) -> None:
         super().__init__(name)
         self.target = parse_redis_url(url)
@@ -79,11 +82,21 @@ class RedisTier(Tier):
             raise
 
     async def get(self, key: str) -> bytes | None:
+        if self.ttl_ms is not None:
+            return await self._run(lambda c: c.getex(key, px=self.ttl_ms))
         return await self._run(lambda c: c.get(key))
 
     async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         if not keys:
             return []
+        if self.ttl_ms is not None:  # a hit keeps its blob: GETEX refreshes the TTL in the same round trip
+            async def read(client: Any) -> list[Any]:
+                pipe = client.pipeline(transaction=False)
+                for key in keys:
+                    pipe.getex(key, px=self.ttl_ms)
+                return await pipe.execute()
+
+            return list(await self._run(read))
         if self.is_cluster:
             return list(await self._run(lambda c: c.mget_nonatomic(list(keys))))
         return list(await self._run(lambda c: c.mget(list(keys))))
