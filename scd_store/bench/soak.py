@@ -131,8 +131,8 @@ def run_clients(config: SoakConfig, threads: int, ops_each: int, first_id: int) 
         w.join()
     elapsed = time.perf_counter() - start
     store.flush()
-    stats = {name: store.stats.value(name) for name in ("tier_errors", "corrupt_blobs", "rejected_blobs", "dropped_writes",
-                                                          "evictions")}
+    stats = {name: store.stats.value(name)
+             for name in ("tier_errors", "corrupt_blobs", "rejected_blobs", "dropped_writes", "evictions")}
     store.close()
     merged: dict[str, Any] = {"latency": {k: [] for k in ("put", "get", "lookup")}, "acked": [], "torn": 0,
                               "elapsed_s": elapsed, "stats": stats,
