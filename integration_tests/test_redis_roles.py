@@ -17,6 +17,7 @@ from scd_store.store.redis_acl import acl_setuser
 from scd_store.store.registry import RedisRegistry
 from scd_store.store.signing import Keyring, SigningKey
 from scd_store.store.tiered import TieredStore
+from scd_store.store.tiers.cpu import CpuTier
 from scd_store.store.tiers.redis_tier import RedisTier
 from tests.bundles import PRODUCER, correlated_state, write_tiny_bundle
 from tests.store.test_registry import check_generations_and_revocation
@@ -54,8 +55,9 @@ def deployment(tmp_path):
 
 def service_for(deployment, role: str, models: tuple[str, ...], **kwargs) -> KVService:
     url = deployment["urls"][role]
-    store = TieredStore([RedisTier(url, ttl_s=TTL_S)], RedisRegistry(url), chunk_size=8, op_timeout_s=2.0,
-                        keyring=Keyring(deployment["keyring"]), registry_refresh_s=0.1)
+    tiers = [CpuTier(1 << 20)] if role == "producer" else []  # the producer's own copy repairs Redis
+    store = TieredStore([*tiers, RedisTier(url, ttl_s=TTL_S)], RedisRegistry(url), chunk_size=8, op_timeout_s=2.0,
+                        keyring=Keyring(deployment["keyring"]), registry_refresh_s=0.1, repair_s=0)
     try:
         return KVService(store, [deployment["bundle"]], models=models, discovery_interval_s=0, **kwargs)
     except BaseException:
@@ -118,17 +120,26 @@ def test_readers_never_delete_and_the_producer_quarantines(deployment):
         assert admin.get(keys[1]) == forged  # the reader left it (and could not have deleted it)
         admin.set(keys[2], good)  # a genuine blob moved to another chunk's key
         assert len(consumer.get("consumer-a", HASHES)) == 1 and stats.value("bad_signatures") == 1 + 2
-        # the producer's lookup verifies what Redis holds: the bad blobs go, the engine stores them again
-        assert producer.contains(PRODUCER, HASHES) == 1
-        assert admin.get(keys[1]) is None and admin.get(keys[2]) is None
-        assert producer.store.stats.value("quarantined_blobs") == 2
-        producer.put(PRODUCER, HASHES, chunks())
-        producer.drain(10)
+        # the reader reported both keys; the producer verifies them itself, deletes and rewrites them
+        suspects = admin.hkeys(f"scd:__stats__:suspects:tiny-space:{keys[0].split(':')[2]}")
+        assert sorted(k.decode() for k in suspects) == sorted(keys[1:])
+        assert producer.store.repair_now() == (2, 2)
+        assert admin.get(keys[1]) == good and admin.get(keys[2]) != good
+        assert producer.store.stats.value("repaired_blobs") == 2
         assert len(consumer.get("consumer-a", HASHES)) == 3
-        # hits refresh the blobs' TTL (GETEX), with the consumer's read-only user
+        # a blob the producer no longer holds: its verified lookup deletes the bad copy, so its engine
+        # stores the chunk again
+        admin.set(keys[2], forged)
+        producer.store.tiers[0].delete_now(keys[2])
+        assert producer.contains(PRODUCER, HASHES) == 2 and admin.get(keys[2]) is None
+        # verified hits refresh the blobs' TTL (PEXPIRE), with the consumer's read-only user; bad ones do not
         admin.pexpire(keys[0], 5_000)
+        admin.set(keys[1], forged, px=5_000)
         consumer.get("consumer-a", HASHES)
-        assert admin.pttl(keys[0]) > 50_000
+        deadline = time.monotonic() + 5
+        while admin.pttl(keys[0]) < 50_000 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert admin.pttl(keys[0]) > 50_000 and admin.pttl(keys[1]) <= 5_000
     finally:
         producer.close(), consumer.close()
 

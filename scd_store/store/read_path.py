@@ -5,9 +5,10 @@
   keys, space generation and codec); a bad blob is a miss and is counted (``corrupt_blobs``,
   ``bad_signatures``, ``foreign_blobs``); the walk goes on to the next tier for it. Readers delete
   a bad blob only from this host's tiers (CPU, GPU, disk), never from a shared one (Redis, peers):
-  there it is quarantined by its producer, whose lookups verify what a shared tier holds
-  (``verify=True``: a bad blob is deleted and reported absent, so the engine stores it again), or
-  by the tier's TTL.
+  there they report its key (``report_suspects``) and its producer quarantines it (:meth:`repair`
+  verifies each reported key itself, deletes what is bad and rewrites it from its own tiers; its
+  lookups also verify what a shared tier holds, ``verify=True``), or the tier's TTL ends it (only
+  verified hits refresh a TTL).
 - Local tiers (CPU, GPU) are read on the caller's thread; the rest on the store's event loop.
 - Hits from a lower tier are copied into every tier above it (local tiers at once, remote ones
   through the write-behind, never blocking the reader).
@@ -15,6 +16,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -42,6 +44,11 @@ class _Found:
     tier_index: int
 
 
+def _scope(space: Space) -> str:
+    """Where a shared tier keeps the keys readers reported bad in ``space`` (its id and generation)."""
+    return f"{space.space_id}:{space.generation}"
+
+
 def leading_run(results: Sequence[Any]) -> int:
     """How many leading entries of ``results`` are not None."""
     for i, r in enumerate(results):
@@ -56,6 +63,7 @@ class ReadPath:
     def __init__(self, tiers: Sequence[Tier], guard: TierGuard, stats: StoreStats, loop: LoopThread,
                  write_behind: WriteBehind, keyring: Keyring | None = None) -> None:
         self.keyring = keyring
+        self._touches: set[object] = set()  # TTL refreshes in flight (fire and forget)
         self.tiers = list(tiers)
         self.guard = guard
         self.stats = stats
@@ -134,8 +142,8 @@ class ReadPath:
                 lambda t=tier, b=batch: t.get_many(b))
             values = await self.guard.call(tier, tier_op, fn, None)
             found: list[Any] = [None] * len(keys)
-            pending, bad = self._absorb(ti, pending, keys, found if op != tier_op else results, tier_op, space,
-                                        values)
+            target = results if op == tier_op else found
+            pending, bad = self._absorb(ti, pending, keys, target, tier_op, space, values)
             if op != tier_op:  # a producer's verified lookup: presence of the blobs that passed
                 for i, f in enumerate(found):
                     if f is not None:
@@ -143,6 +151,66 @@ class ReadPath:
             if bad and (verify_shared or not tier.shared):
                 await self.guard.call(tier, "delete", lambda t=tier, b=bad: t.delete_many(b), 0)
                 self.stats.inc("quarantined_blobs", len(bad), tier=tier.name, space=space.space_id)
+            elif bad:  # a reader of a shared tier: tell the producer
+                await self.guard.call(tier, "report", lambda t=tier, b=bad: t.report_suspects(_scope(space), b), None)
+            if tier.expires and tier_op == "get":
+                self._touch(tier, [keys[i] for i, f in enumerate(target)
+                                   if isinstance(f, _Found) and f.tier_index == ti])
+
+    def _touch(self, tier: Tier, keys: list[str]) -> None:
+        """Refresh the TTL of verified hits in ``tier`` without waiting for it."""
+        if not keys:
+            return
+        task = asyncio.ensure_future(self.guard.call(tier, "touch", lambda: tier.touch_many(keys), None))
+        self._touches.add(task)
+        task.add_done_callback(self._touches.discard)
+
+    async def repair(self, space: Space, limit: int = 256) -> tuple[int, int]:
+        """A producer's quarantine: take the keys readers reported bad in each shared tier, verify them
+        itself, delete what is bad and rewrite it from a good copy in its own tiers. Returns
+        ``(quarantined, repaired)``."""
+        quarantined = repaired = 0
+        for ti, tier in enumerate(self.tiers):
+            if not tier.shared:
+                continue
+            keys = await self.guard.call(tier, "suspects", lambda t=tier: t.take_suspects(_scope(space), limit), [])
+            if not keys:
+                continue
+            values = await self.guard.call(tier, "get", lambda t=tier, k=keys: t.get_many(k), None)
+            if values is None:
+                continue
+            bad = [k for k, v in zip(keys, values, strict=True) if v is not None and not self._intact(k, v, space)]
+            if not bad:
+                continue
+            await self.guard.call(tier, "delete", lambda t=tier, b=bad: t.delete_many(b), 0)
+            quarantined += len(bad)
+            fixes = await self._good_copies(space, ti, bad)
+            if fixes and await self.guard.call(tier, "put", lambda t=tier, f=fixes: t.put_many(f), False, True):
+                repaired += len(fixes)
+        if quarantined:
+            self.stats.inc("quarantined_blobs", quarantined, space=space.space_id)
+        if repaired:
+            self.stats.inc("repaired_blobs", repaired, space=space.space_id)
+        return quarantined, repaired
+
+    def _intact(self, key: str, value: bytes, space: Space) -> bool:
+        try:
+            self._verify(key, value, space)
+        except BlobError:
+            return False
+        return True
+
+    async def _good_copies(self, space: Space, below: int, keys: list[str]) -> list[tuple[str, bytes]]:
+        """Verified copies of ``keys`` from this host's tiers above tier ``below``."""
+        fixes: dict[str, bytes] = {}
+        for tier in self.tiers[:below]:
+            wanted = [k for k in keys if k not in fixes]
+            if tier.shared or not wanted:
+                continue
+            values = await self.guard.call(tier, "get", lambda t=tier, w=wanted: t.get_many(w), None) or []
+            fixes.update({k: v for k, v in zip(wanted, values, strict=False)
+                          if v is not None and self._intact(k, v, space)})
+        return list(fixes.items())
 
     def _verify(self, key: str, value: bytes, space: Space) -> Blob:
         return decode_blob(value, key=key, space_id=space.space_id, keyring=self.keyring,

@@ -2,9 +2,10 @@
 
 - ``operator`` (``scd-store register`` / ``pairs`` / ``revoke``): reads and writes the registry only.
 - ``producer`` of one space: writes and deletes (quarantine) that space's blobs, reads the registry,
-  records its hashing canary, adds to the counters.
-- ``consumer``: reads blobs and the registry (``GETEX`` refreshes a hit's TTL: the only write it may
-  make to a blob), adds to the counters. It cannot write or delete a blob, nor touch the registry.
+  records its hashing canary, takes the bad keys readers reported, adds to the counters.
+- ``consumer``: reads blobs and the registry (``PEXPIRE`` refreshes a verified hit's TTL: the only
+  write it may make to a blob), reports bad keys and adds to the counters (``scd:__stats__*``). It
+  cannot write or delete a blob, nor touch the registry.
 
 Keys: blobs ``scd:{space}:v{format}.{generation}:{hash}``; registry ``scd:__registry__:*``; counters
 ``scd:__stats__*`` (:mod:`scd_store.store.keys`, :mod:`scd_store.store.registry`,
@@ -37,9 +38,10 @@ def acl_setuser(role: str, user: str, password: str, space_id: str | None = None
     if role == "producer":
         space = validate_space_id(space_id or "")
         return [*base, f"~scd:{space}:*", f"%R~{_REGISTRY}", f"%W~{_REGISTRY[:-1]}canaries", f"~{_STATS}",
-                "+get", "+getex", "+mget", "+set", "+exists", "+del", "+hget", "+hgetall", *_STATS_CMDS.split()]
+                "+get", "+pexpire", "+mget", "+set", "+exists", "+del", "+hget", "+hgetall", "+hkeys", "+hdel",
+                *_STATS_CMDS.split()]
     return [*base, "%R~scd:*", f"~{_STATS}", "+get", "+mget", "+exists", "+hget", "+hgetall", *_STATS_CMDS.split(),
-            "(~scd:*:v*.*:* +getex)"]  # a selector: GETEX (a hit refreshing its TTL) on blob keys, nothing else
+            "(~scd:*:v*.*:* +pexpire)"]  # a selector: PEXPIRE (a hit refreshing its TTL) on blob keys only
 
 
 def recipe(space_id: str = "SPACE", passwords: dict[str, str] | None = None) -> str:

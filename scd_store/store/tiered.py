@@ -52,7 +52,7 @@ class TieredStore:
                  backoff_min_s: float = 0.1, backoff_max_s: float = 5.0,
                  stats_sink: StatsSink | None = None, stats_flush_s: float = 1.0,
                  tier_timeouts: Mapping[str, float] | None = None, keyring: Keyring | None = None,
-                 registry_refresh_s: float = 2.0) -> None:
+                 registry_refresh_s: float = 2.0, repair_s: float = 1.0) -> None:
         if not tiers:
             raise ValueError("the store needs at least one tier")
         names = [t.name for t in tiers]
@@ -80,6 +80,8 @@ class TieredStore:
         self.keyring = keyring
         self.registry_refresh_s = registry_refresh_s
         self._registry_task: asyncio.Task[None] | None = None
+        self.repair_s = repair_s
+        self._repair_task: asyncio.Task[None] | None = None
         self._spaces: dict[tuple[str, str, str], Space | None] = {}  # None: revoked
         self._pairs: dict[tuple[str, str, str], tuple[Pair, Space] | None] = {}
         self._unsigned_warned: set[str] = set()
@@ -110,6 +112,8 @@ class TieredStore:
             except Exception:  # noqa: BLE001 - an unreachable registry: the first successful read sets it
                 seen = None
             self._registry_task = asyncio.ensure_future(self._registry_loop(seen))
+        if self.repair_s > 0 and any(t.shared for t in self.tiers):
+            self._repair_task = asyncio.ensure_future(self._repair_loop())
 
     def close(self, timeout: float | None = None) -> dict[str, int]:
         """Drain the write-behind for up to ``timeout`` s (default ``put_timeout_s``), flush stats, stop the
@@ -132,7 +136,7 @@ class TieredStore:
         return self.unwritten
 
     async def _stop(self, deadline: float) -> None:
-        for task in (self._mirror_task, self._registry_task):
+        for task in (self._mirror_task, self._registry_task, self._repair_task):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
@@ -198,6 +202,26 @@ class TieredStore:
                 seen = version
             except Exception as exc:  # noqa: BLE001 - an unreachable registry keeps the answers it gave
                 log.debug("registry version check failed: %s", exc)
+
+    def repair_now(self) -> tuple[int, int]:
+        """One round of the producer's quarantine over every space this store writes (see
+        :meth:`ReadPath.repair`): ``(quarantined, repaired)`` blobs."""
+        return self._loop.run(self._repair_all(), timeout=30.0)
+
+    async def _repair_all(self) -> tuple[int, int]:
+        quarantined = repaired = 0
+        for space in {s for s in list(self._spaces.values()) if s is not None}:
+            q, r = await self.read.repair(space)
+            quarantined, repaired = quarantined + q, repaired + r
+        return quarantined, repaired
+
+    async def _repair_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.repair_s)
+            try:
+                await self._repair_all()
+            except Exception as exc:  # noqa: BLE001 - a failing round is retried next time
+                log.debug("repair round failed: %s", exc)
 
     # ----------------------------------------------------------------- the write
     def write(self, space: Space, keys: Sequence[str], payloads: Sequence[bytes], token_counts: Sequence[int],

@@ -35,6 +35,7 @@ class Tier(ABC):
     kind: str = "tier"
     local: bool = False
     shared: bool = False  # other hosts' processes read it (Redis, peers): readers never delete there
+    expires: bool = False  # blobs have a TTL that verified hits refresh (touch_many)
 
     def __init__(self, name: str | None = None) -> None:
         self.name = name or self.kind
@@ -88,6 +89,20 @@ class Tier(ABC):
 
     async def delete_many(self, keys: Sequence[str]) -> int:
         return sum([await self.delete(k) for k in keys])
+
+    # shared tiers only: readers may not delete there, so they report what they found bad to the producer
+    async def touch_many(self, keys: Sequence[str]) -> None:
+        """Extend the life of verified hits (a tier with a TTL refreshes it); default: nothing."""
+        return None
+
+    async def report_suspects(self, scope: str, keys: Sequence[str]) -> None:
+        """Note keys of ``scope`` (``{space_id}:{generation}``) a reader found bad, for its producer;
+        default: nothing."""
+        return None
+
+    async def take_suspects(self, scope: str, limit: int) -> list[str]:
+        """Up to ``limit`` reported keys of ``scope``, removed from the report; default: none."""
+        return []
 
 
 class LocalTier(Tier):

@@ -1,17 +1,21 @@
 """The Redis tier: shared, remote blobs through redis-py asyncio (hiredis parser when installed).
 
 Each blob is written with ONE ``SET`` (optionally with a TTL), which Redis applies atomically: a
-reader sees the whole old value, the whole new value or nothing. With a TTL every hit refreshes it
-(``GETEX``), so blobs in use stay and the rest expire (also how a bad blob no producer rewrites
-leaves). Values above ``max_value_bytes`` are refused (counted in ``rejected``). A total byte budget
-is the server's job: ``maxmemory`` with ``maxmemory-policy volatile-lru``, which evicts only keys
-with a TTL (blobs), never the registry or the counters (docs/store.md). The tier changes no server
-setting unless ``server_maxmemory`` asks it to (``CONFIG SET`` needs an admin user).
+reader sees the whole old value, the whole new value or nothing. With a TTL every verified hit
+refreshes it (``PEXPIRE`` after the read path checked the blob: a bad blob is never kept alive), so
+blobs in use stay and the rest expire. Readers may not delete: they report bad keys in
+``scd:__stats__:suspects:{space}:{generation}`` (a hash readers may write), where the space's
+producer takes them, verifies them itself and deletes or repairs them. Values above
+``max_value_bytes`` are refused (counted in ``rejected``). A total byte budget is the server's job:
+``maxmemory`` with ``maxmemory-policy volatile-lru``, which evicts only keys with a TTL (blobs),
+never the registry or the counters (docs/store.md). The tier changes no server setting unless
+``server_maxmemory`` asks it to (``CONFIG SET`` needs an admin user).
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -22,6 +26,7 @@ from scd_store.store.redis_url import make_async_client, parse_redis_url
 from scd_store.store.tiers.base import Tier, TierUsage
 
 T = TypeVar("T")
+SUSPECTS = "scd:__stats__:suspects"  # + ":{space_id}:{generation}": keys readers found bad (key -> unix time)
 
 
 class RedisTier(Tier):
@@ -38,6 +43,7 @@ class RedisTier(Tier):
         if ttl_s is not None and ttl_s <= 0:
             raise ValueError(f"redis tier ttl_s must be > 0 or None, got {ttl_s}")
         self.ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
+        self.expires = self.ttl_ms is not None
         self.max_value_bytes = max_value_bytes
         self.server_maxmemory = server_maxmemory
         self.maxmemory_policy = maxmemory_policy
@@ -82,21 +88,11 @@ class RedisTier(Tier):
             raise
 
     async def get(self, key: str) -> bytes | None:
-        if self.ttl_ms is not None:
-            return await self._run(lambda c: c.getex(key, px=self.ttl_ms))
         return await self._run(lambda c: c.get(key))
 
     async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         if not keys:
             return []
-        if self.ttl_ms is not None:  # a hit keeps its blob: GETEX refreshes the TTL in the same round trip
-            async def read(client: Any) -> list[Any]:
-                pipe = client.pipeline(transaction=False)
-                for key in keys:
-                    pipe.getex(key, px=self.ttl_ms)
-                return await pipe.execute()
-
-            return list(await self._run(read))
         if self.is_cluster:
             return list(await self._run(lambda c: c.mget_nonatomic(list(keys))))
         return list(await self._run(lambda c: c.mget(list(keys))))
@@ -149,6 +145,29 @@ class RedisTier(Tier):
         if not keys:
             return 0
         return int(await self._run(lambda c: c.delete(*keys)))  # the cluster client splits it by slot
+
+    async def touch_many(self, keys: Sequence[str]) -> None:
+        if self.ttl_ms is None or not keys:
+            return
+        async def touch(client: Any) -> None:
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                pipe.pexpire(key, self.ttl_ms)
+            await pipe.execute()
+
+        await self._run(touch)
+
+    async def report_suspects(self, scope: str, keys: Sequence[str]) -> None:
+        if keys:
+            stamp = str(int(time.time()))
+            await self._run(lambda c: c.hset(f"{SUSPECTS}:{scope}", mapping=dict.fromkeys(keys, stamp)))
+
+    async def take_suspects(self, scope: str, limit: int) -> list[str]:
+        found = await self._run(lambda c: c.hkeys(f"{SUSPECTS}:{scope}"))
+        keys = [k.decode() if isinstance(k, bytes) else k for k in found[:limit]]
+        if keys:
+            await self._run(lambda c: c.hdel(f"{SUSPECTS}:{scope}", *keys))
+        return keys
 
     def usage(self) -> TierUsage:
         return TierUsage(0, self.bytes_written, self.server_maxmemory)
