@@ -158,13 +158,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_redis(work: Path) -> tuple[subprocess.Popen[bytes], int]:
+def _start_redis(work: Path, port: int | None = None, extra: tuple[str, ...] = ()
+                 ) -> tuple[subprocess.Popen[bytes], int]:
+    """A redis-server on a free loopback port (or ``port``), data in ``work``; ``extra`` server arguments."""
     server = shutil.which("redis-server")
     if server is None:
         raise FileNotFoundError("redis-server is not installed (apt-get install redis-server)")
-    port = _free_port()
+    port = port or _free_port()
     proc = subprocess.Popen([server, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(work), "--save", "",
-                             "--appendonly", "no", "--protected-mode", "yes", "--loglevel", "warning"],
+                             "--appendonly", "no", "--protected-mode", "yes", "--loglevel", "warning", *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:

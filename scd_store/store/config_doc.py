@@ -15,7 +15,7 @@ STORE_DOCS = {
     "chunk_size": "tokens per chunk where scd-store hashes tokens itself (`chunk_hashes`: the demo, the "
                   "benches); engines bring their own chunks",
     "op_timeout_s": "bound on every tier operation; a slower one is a miss and a `tier_errors` count",
-    "put_timeout_s": "how long a put may wait for a full write-through queue (back-pressure) before dropping",
+    "put_timeout_s": "how long a put may wait for a full write-behind queue (back-pressure) before dropping",
     "retry_backoff_min_s": "first retry delay of a failed tier",
     "retry_backoff_max_s": "longest retry delay of a failed tier",
     "registry_url": "Redis URL of the registry (default: the first Redis tier's URL)",
@@ -49,7 +49,7 @@ TIER_DOCS = {
     "transfer": "peer tier: `nixl`, `copy` (this process only) or `auto` (NIXL when it works here)",
     "rescan_s": "disk tier: rebuild the index from the directory this often, so what other processes on the "
                 "host wrote is counted and the byte bound holds across them (null: only at start)",
-    "queue_size": "write-through queue length of this tier (lower tiers)",
+    "queue_size": "write-behind queue length of this tier (lower tiers)",
     "op_timeout_s": "this tier's own deadline per operation (default: the store's `op_timeout_s`)",
     "writers": "background writers draining this tier's queue",
 }

@@ -1,7 +1,8 @@
 """Per-tier health: a failing tier is skipped (a miss) and retried with exponential backoff.
 
 One log line when a tier goes down and one when it comes back, per incident, however many requests
-fail in between.
+fail in between; a tier that flaps (e.g. a full disk: reads succeed, writes fail) logs at most one
+pair of lines per ``quiet_s``, the next one saying how many incidents it left out.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ class TierHealth:
     """Tracks one tier's incidents. ``should_try`` lets one probe through each time the backoff expires."""
 
     def __init__(self, name: str, backoff_min_s: float = 0.1, backoff_max_s: float = 5.0,
-                 clock=time.monotonic) -> None:  # noqa: ANN001
+                 clock=time.monotonic, quiet_s: float = 30.0) -> None:  # noqa: ANN001
         self.name = name
         self.backoff_min_s = backoff_min_s
         self.backoff_max_s = backoff_max_s
@@ -28,6 +29,9 @@ class TierHealth:
         self._since = 0.0
         self._backoff = backoff_min_s
         self._next_try = 0.0
+        self.quiet_s = quiet_s
+        self._logged_at = -float("inf")
+        self._unlogged = 0
 
     def should_try(self) -> bool:
         if not self.down:
@@ -51,8 +55,13 @@ class TierHealth:
                 self.incidents += 1
                 self._since = now
                 self._backoff = self.backoff_min_s
-                log.warning("store tier %s failed (%s: %s); serving misses, retrying with backoff",
-                            self.name, type(exc).__name__, exc)
+                if now - self._logged_at >= self.quiet_s:
+                    more = f" ({self._unlogged} more incidents since the last line)" if self._unlogged else ""
+                    log.warning("store tier %s failed (%s: %s); serving misses, retrying with backoff%s",
+                                self.name, type(exc).__name__, exc, more)
+                    self._logged_at, self._unlogged = now, 0
+                else:
+                    self._unlogged += 1
             else:
                 self._backoff = min(self._backoff * 2, self.backoff_max_s)
             self._next_try = now + self._backoff
@@ -63,4 +72,5 @@ class TierHealth:
         with self._lock:
             if self.down:
                 self.down = False
-                log.warning("store tier %s recovered after %.1f s", self.name, self._clock() - self._since)
+                if self._unlogged == 0:
+                    log.warning("store tier %s recovered after %.1f s", self.name, self._clock() - self._since)
