@@ -76,7 +76,9 @@ class ScdConnector(KVConnectorBase_V1):
         check_engine(vllm_config)
         self.served_model = served_model_name(vllm_config)
         block_size = vllm_config.cache_config.block_size
-        self.service = self._open_service(dict(self._kv_transfer_config.kv_connector_extra_config or {}))
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        extra.setdefault("max_positions", int(vllm_config.model_config.max_model_len))  # stored chunks past it: refused
+        self.service = self._open_service(extra)
         try:
             chunk_size = self.service.store.chunk_size
             if chunk_size % block_size:
