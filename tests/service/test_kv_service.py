@@ -107,6 +107,9 @@ def test_a_second_bundle_generation_coexists_in_the_registry(store, bundle, tmp_
     _, parts = chunks()
     first.put(PRODUCER, HASHES, parts)
     assert len(first.get("consumer-a", HASHES)) == len(HASHES) and second.get("consumer-a", HASHES) == []
+    second.put(PRODUCER, HASHES, parts)  # the new generation's producer writes while the old one is served
+    assert len(first.get("consumer-a", HASHES)) == len(HASHES) == len(second.get("consumer-a", HASHES))
+    assert store.stats.value("foreign_blobs") == store.stats.value("corrupt_blobs") == 0
 
 
 def test_identity_decoder_roundtrip_is_close(store, bundle):
