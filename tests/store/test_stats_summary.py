@@ -23,8 +23,8 @@ def test_hit_rate_bytes_and_misses_by_reason_per_pair():
     assert (a["pair"], a["requested_tokens"], a["hit_tokens"], a["hit_rate"]) == ("s/a", 1024, 768, 0.75)
     assert a["bytes_fetched"] == 3000 and a["raw_kv_bytes"] == 768 * 20
     assert a["decode_p50_le_s"] == 0.005
-    assert a["misses"] == {"absent": 1, "refused": 2, "deadline": 0, "corrupt": 1, "unpositioned": 4,
-                           "hash_mismatch": 0}
+    assert a["misses"] == {"absent": 1, "refused": 2, "deadline": 0, "corrupt": 1, "bad_signature": 0,
+                           "other_generation": 0, "revoked": 0, "unpositioned": 4, "hash_mismatch": 0}
     assert b["hit_rate"] == 0.0 and b["decode_p50_le_s"] is None
     assert report["misses"] == {"dropped": 0, "unattributed": 0, "unregistered": 1, "tier_down": 1}
     (proc,) = report["processes"]
