@@ -76,9 +76,8 @@ class ScdConnector(KVConnectorBase_V1):
         check_engine(vllm_config)
         self.served_model = served_model_name(vllm_config)
         block_size = vllm_config.cache_config.block_size
-        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        extra.setdefault("max_positions", int(vllm_config.model_config.max_model_len))  # stored chunks past it: refused
-        self.service = self._open_service(extra)
+        self.max_positions = int(vllm_config.model_config.max_model_len)  # stored chunks reaching past it: refused
+        self.service = self._open_service(dict(self._kv_transfer_config.kv_connector_extra_config or {}))
         try:
             chunk_size = self.service.store.chunk_size
             if chunk_size % block_size:
@@ -101,7 +100,7 @@ class ScdConnector(KVConnectorBase_V1):
 
     def _open_service(self, extra_config: dict[str, Any]) -> Any:
         """The service the connector serves from: the process's shared :class:`KVService` for its settings."""
-        return acquire_service(EngineSettings.from_mapping(extra_config))
+        return acquire_service(EngineSettings.from_mapping({"max_positions": self.max_positions, **extra_config}))
 
     def _close_service(self, service: Any) -> None:
         release_service(service)

@@ -178,3 +178,19 @@ def test_a_get_past_its_deadline_returns_what_it_decoded(store, bundle):
     assert store.stats.value("deadline_chunks", pair="tiny-space/consumer-a") == 3
     with pytest.raises(ValueError, match="get_deadline_s"):
         KVService(store, [bundle], get_deadline_s=0)
+
+
+def test_positions_past_the_engine_context_are_refused_before_decoding(store, bundle):
+    """A stored chunk reaching past the engine's context (``max_positions``) is a refused miss: no RoPE
+    table or buffer is sized for it, however large its header says its start is."""
+    from scd_store.codecs.scd.space import PACKING
+    from scd_store.codecs.tensor_pack import PayloadError
+
+    service = KVService(store, [bundle], max_positions=20)
+    _, parts = chunks()  # starts 0, 8, 16: the third reaches position 24
+    service.put(PRODUCER, HASHES, parts)
+    assert len(service.get("consumer-a", HASHES)) == 2
+    assert store.stats.value("refused_chunks", pair="tiny-space/consumer-a") == 1
+    space = service.binding(PRODUCER).space
+    with pytest.raises(PayloadError, match="past this process's bound"):
+        space.counts({"space": space.fingerprint, "packing": PACKING, "start": 2**40, "tokens": 8, "sinks": 0})

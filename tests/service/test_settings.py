@@ -21,6 +21,9 @@ def test_settings_read_their_prefix_and_refuse_unknown_keys(bundle):
     assert (settings.put_queue_chunks, settings.get_deadline_s) == (256, 5.0)
     assert (settings.models, settings.discovery_interval_s) == (None, 2.0)
     assert EngineSettings.from_mapping({"models": "a, b"}).models == ("a", "b")  # no bundles: the registry's
+    assert (settings.register_bundles, settings.max_positions) == (True, 32768)
+    read_only = EngineSettings.from_mapping({"register_bundles": "false", "max_positions": "4096"})
+    assert (read_only.register_bundles, read_only.max_positions) == (False, 4096)
     with pytest.raises(SettingsError, match=r"unknown scd-store settings \['scd.colour'\]"):
         EngineSettings.from_mapping({"scd.bundles": str(bundle), "scd.colour": "blue"}, prefix="scd.")
 
@@ -37,6 +40,9 @@ def test_settings_read_their_prefix_and_refuse_unknown_keys(bundle):
     ({"get_deadline_s": "soon"}, "must be numbers"),
     ({"serves_adapters": "sometimes"}, "serves_adapters must be true or false"),
     ({"model_tag": ""}, "model_tag must be a non-empty string"),
+    ({"register_bundles": "maybe"}, "register_bundles must be true or false"),
+    ({"max_positions": 0}, "max_positions must be a positive int"),
+    ({"max_positions": "long"}, "max_positions must be an int"),
     ({"store_config": "/nowhere.yaml"}, "is not a file"),
 ])
 def test_bad_settings_name_the_problem(bundle, values, match):
