@@ -196,7 +196,7 @@ class TieredStore:
             await asyncio.sleep(self.registry_refresh_s)
             try:
                 version = await loop.run_in_executor(None, self.registry.version)
-                if seen is not None and version != seen:
+                if version != seen:  # None: the registry was unreachable at start, its answers are re-read
                     await loop.run_in_executor(None, self.refresh_registry)
                     self.stats.inc("registry_refreshes")
                 seen = version
