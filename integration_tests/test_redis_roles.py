@@ -127,11 +127,12 @@ def test_readers_never_delete_and_the_producer_quarantines(deployment):
         assert admin.get(keys[1]) == good and admin.get(keys[2]) != good
         assert producer.store.stats.value("repaired_blobs") == 2
         assert len(consumer.get("consumer-a", HASHES)) == 3
-        # a blob the producer no longer holds: its verified lookup deletes the bad copy, so its engine
-        # stores the chunk again
+        # a blob the producer no longer holds: it deletes the bad copy, so its engine stores the chunk again
         admin.set(keys[2], forged)
         producer.store.tiers[0].delete_now(keys[2])
-        assert producer.contains(PRODUCER, HASHES) == 2 and admin.get(keys[2]) is None
+        assert len(consumer.get("consumer-a", HASHES)) == 2
+        assert producer.store.repair_now() == (1, 0) and admin.get(keys[2]) is None
+        assert producer.contains(PRODUCER, HASHES) == 2
         # verified hits refresh the blobs' TTL (PEXPIRE), with the consumer's read-only user; bad ones do not
         admin.pexpire(keys[0], 5_000)
         admin.set(keys[1], forged, px=5_000)

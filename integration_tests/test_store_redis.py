@@ -142,10 +142,10 @@ def test_store_over_redis_round_trip_and_corruption(server, raw, registry) -> No
         chunks = get_tokens(store, "pair", "consumer-m", TOKENS)
         assert [bytes(c.payload) for c in chunks] == PAYLOADS[:5] and {c.tier for c in chunks} == {"redis"}
         assert store.stats.value("corrupt_blobs", tier="redis") == 1
-        assert raw.exists(keys[5])  # a reader never deletes from a shared tier
-        producer = store.producer("sp", "producer-m", "space-fp")
-        assert producer.contains(chunk_hashes(TOKENS, 4)) == 5  # the producer's lookup verifies Redis...
-        assert not raw.exists(keys[5])  # ...and quarantines the bad blob, so its engine stores it again
+        assert raw.exists(keys[5])  # a reader never deletes from a shared tier: it reports the key
+        assert store.repair_now() == (1, 0)  # the producer verifies it, deletes it (it holds no good copy)...
+        assert not raw.exists(keys[5])
+        assert store.producer("sp", "producer-m", "space-fp").contains(chunk_hashes(TOKENS, 4)) == 5  # ...re-store
         assert hit_tokens(store, "pair", "consumer-m", TOKENS) == 20
         assert store.stats.value("bytes_saved", pair="pair") == 5 * 4 * 500 - sum(len(raw.get(k)) for k in keys[:5])
     finally:

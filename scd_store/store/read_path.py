@@ -6,8 +6,8 @@
   ``bad_signatures``, ``foreign_blobs``); the walk goes on to the next tier for it. Readers delete
   a bad blob only from this host's tiers (CPU, GPU, disk), never from a shared one (Redis, peers):
   there they report its key (``report_suspects``) and its producer quarantines it (:meth:`repair`
-  verifies each reported key itself, deletes what is bad and rewrites it from its own tiers; its
-  lookups also verify what a shared tier holds, ``verify=True``), or the tier's TTL ends it (only
+  verifies each reported key itself, deletes what is bad and rewrites it from its own tiers; what it
+  has no copy of is then absent, so its engine stores it again), or the tier's TTL ends it (only
   verified hits refresh a TTL).
 - Local tiers (CPU, GPU) are read on the caller's thread; the rest on the store's event loop.
 - Hits from a lower tier are copied into every tier above it (local tiers at once, remote ones
@@ -71,11 +71,10 @@ class ReadPath:
         self.write_behind = write_behind
 
     # ----------------------------------------------------------------- operations
-    def lookup(self, space: Space, keys: list[str], pair: str = "", *, verify: bool = False) -> PrefixHit:
-        """The leading run of ``keys`` present in any tier: presence only, except that with ``verify`` (a
-        producer's lookup) what a shared tier holds is read and verified, and a bad blob there deleted."""
+    def lookup(self, space: Space, keys: list[str], pair: str = "") -> PrefixHit:
+        """The leading run of ``keys`` present in any tier (presence only: nothing is read or verified)."""
         t0 = time.perf_counter()
-        where = self._walk(keys, "contains", space, verify_shared=verify)
+        where = self._walk(keys, "contains", space)
         run = leading_run(where)
         tiers = tuple(self.tiers[where[i]].name for i in range(run))
         self.stats.inc("lookups", space=space.space_id, pair=pair)
@@ -108,7 +107,7 @@ class ReadPath:
         return chunks
 
     # ----------------------------------------------------------------- the walk
-    def _walk(self, keys: list[str], op: str, space: Space, verify_shared: bool = False) -> list[Any]:
+    def _walk(self, keys: list[str], op: str, space: Space) -> list[Any]:
         """Per key: the tier index that has it (``contains``) or a ``_Found`` (``get``); None when absent."""
         results: list[Any] = [None] * len(keys)
         pending = list(range(len(keys)))
@@ -126,35 +125,28 @@ class ReadPath:
                 with contextlib.suppress(Exception):
                     tier.delete_now(key)
         if pending and first_remote < len(self.tiers):
-            self.loop.run(self._walk_remote(first_remote, pending, keys, results, op, space, verify_shared),
+            self.loop.run(self._walk_remote(first_remote, pending, keys, results, op, space),
                           timeout=self.guard.deadline(self.tiers[first_remote:]) + 5.0)
         return results
 
     async def _walk_remote(self, start: int, pending: list[int], keys: list[str], results: list[Any], op: str,
-                           space: Space, verify_shared: bool) -> None:
+                           space: Space) -> None:
         for ti in range(start, len(self.tiers)):
             if not pending:
                 return
             tier = self.tiers[ti]
-            tier_op = "get" if op == "get" or (verify_shared and tier.shared) else "contains"
             batch = [keys[i] for i in pending]
-            fn = (lambda t=tier, b=batch: t.contains_many(b)) if tier_op == "contains" else (
+            fn = (lambda t=tier, b=batch: t.contains_many(b)) if op == "contains" else (
                 lambda t=tier, b=batch: t.get_many(b))
-            values = await self.guard.call(tier, tier_op, fn, None)
-            found: list[Any] = [None] * len(keys)
-            target = results if op == tier_op else found
-            pending, bad = self._absorb(ti, pending, keys, target, tier_op, space, values)
-            if op != tier_op:  # a producer's verified lookup: presence of the blobs that passed
-                for i, f in enumerate(found):
-                    if f is not None:
-                        results[i] = ti
-            if bad and (verify_shared or not tier.shared):
+            values = await self.guard.call(tier, op, fn, None)
+            pending, bad = self._absorb(ti, pending, keys, results, op, space, values)
+            if bad and not tier.shared:
                 await self.guard.call(tier, "delete", lambda t=tier, b=bad: t.delete_many(b), 0)
                 self.stats.inc("quarantined_blobs", len(bad), tier=tier.name, space=space.space_id)
             elif bad:  # a reader of a shared tier: tell the producer
                 await self.guard.call(tier, "report", lambda t=tier, b=bad: t.report_suspects(_scope(space), b), None)
-            if tier.expires and tier_op == "get":
-                self._touch(tier, [keys[i] for i, f in enumerate(target)
+            if tier.expires and op == "get":
+                self._touch(tier, [keys[i] for i, f in enumerate(results)
                                    if isinstance(f, _Found) and f.tier_index == ti])
 
     def _touch(self, tier: Tier, keys: list[str]) -> None:

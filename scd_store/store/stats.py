@@ -29,8 +29,8 @@ COUNTERS: dict[str, str] = {
     "bad_signatures": "blobs without a valid tag where signing keys are configured: unsigned, forged, moved or "
                       "signed with an unknown or expired key (a miss, never decoded)",
     "foreign_blobs": "well-formed blobs of another space generation or codec under a key: a miss, never deleted",
-    "quarantined_blobs": "bad blobs deleted: by a producer (its verified lookups and the keys readers reported in "
-                         "shared tiers) or by a reader from this host's tiers",
+    "quarantined_blobs": "bad blobs deleted: by a producer (the keys readers reported in shared tiers) or by a "
+                         "reader from this host's tiers",
     "repaired_blobs": "bad blobs in a shared tier a producer rewrote from a good copy in its own tiers",
     "unsigned_puts": "producer chunks not stored because the keyring held no valid key for their space",
     "revoked_requests": "requests of models whose space or pair the registry no longer holds (revoked): a miss",

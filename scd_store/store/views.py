@@ -61,9 +61,8 @@ class ProducerView:
         return hash_keys(self.space.space_id, self.space.generation, hashes)
 
     def lookup(self, hashes: Sequence[bytes]) -> PrefixHit:
-        """The leading run of ``hashes`` present (and, in shared tiers, intact: a bad blob there is deleted
-        and reported absent, so it is stored again) in any tier, with the tier of each chunk."""
-        return self.store.read.lookup(self.space, self.keys(hashes), verify=True)
+        """The leading run of ``hashes`` present in any tier, with the tier of each chunk."""
+        return self.store.read.lookup(self.space, self.keys(hashes))
 
     def contains(self, hashes: Sequence[bytes]) -> int:
         """Length of the leading run of ``hashes`` present in any tier."""
