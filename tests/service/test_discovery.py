@@ -81,3 +81,19 @@ def test_register_and_pairs_commands(tmp_path, capsys):
     assert [p["consumer"] for p in space["pairs"]] == ["consumer-a", "consumer-b"]
     assert all(p["fingerprint"] and p["bundle"] == str(bundle.resolve()) for p in space["pairs"])
     assert main(["register", str(tmp_path), "--store-config", str(config)]) == 2  # not a bundle: a clear error
+
+
+def test_revoke_command(tmp_path, capsys):
+    bundle = tmp_path / "b"
+    write_tiny_bundle(bundle, consumers=("consumer-a", "consumer-b"))
+    config = tmp_path / "store.yaml"
+    config.write_text(json.dumps({"tiers": [{"kind": "cpu"}], "registry_path": str(tmp_path / "reg.json")}))
+    assert main(["register", str(bundle), "--store-config", str(config)]) == 0
+    registry = FileRegistry(tmp_path / "reg.json")
+    version = registry.version()
+    assert main(["revoke", "tiny-space/consumer-a", "--store-config", str(config)]) == 0
+    assert "revoked tiny-space/consumer-a@v2." in capsys.readouterr().out
+    assert [p.consumer_model_id for p in registry.pairs()] == ["consumer-b"] and registry.version() > version
+    assert main(["revoke", "tiny-space", "--fingerprint", "not-this-one", "--store-config", str(config)]) == 1
+    assert main(["revoke", "tiny-space", "--store-config", str(config)]) == 0  # the space and its last pair
+    assert registry.spaces() == [] and registry.pairs() == [] and registry.locations() == {}
