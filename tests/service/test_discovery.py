@@ -68,12 +68,18 @@ def test_a_moved_or_altered_bundle_is_not_bound(store, tmp_path):
     service.close()
 
 
-def test_register_and_pairs_commands(tmp_path, capsys):
+def registered_bundle(tmp_path):
+    """A tiny bundle of two pairs, registered with ``scd-store register`` in a file registry; its store config."""
     bundle = tmp_path / "b"
     write_tiny_bundle(bundle, consumers=("consumer-a", "consumer-b"))
     config = tmp_path / "store.yaml"
     config.write_text(json.dumps({"tiers": [{"kind": "cpu"}], "registry_path": str(tmp_path / "reg.json")}))
     assert main(["register", str(bundle), "--store-config", str(config)]) == 0
+    return bundle, config
+
+
+def test_register_and_pairs_commands(tmp_path, capsys):
+    bundle, config = registered_bundle(tmp_path)
     assert main(["pairs", "--store-config", str(config), "--json"]) == 0
     listed = json.loads(capsys.readouterr().out.split("\n", 3)[-1])
     (space,) = listed["spaces"]
@@ -84,11 +90,7 @@ def test_register_and_pairs_commands(tmp_path, capsys):
 
 
 def test_revoke_command(tmp_path, capsys):
-    bundle = tmp_path / "b"
-    write_tiny_bundle(bundle, consumers=("consumer-a", "consumer-b"))
-    config = tmp_path / "store.yaml"
-    config.write_text(json.dumps({"tiers": [{"kind": "cpu"}], "registry_path": str(tmp_path / "reg.json")}))
-    assert main(["register", str(bundle), "--store-config", str(config)]) == 0
+    _, config = registered_bundle(tmp_path)
     registry = FileRegistry(tmp_path / "reg.json")
     version = registry.version()
     assert main(["revoke", "tiny-space/consumer-a", "--store-config", str(config)]) == 0
