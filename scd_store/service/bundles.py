@@ -49,11 +49,6 @@ def _pair_manifest(bundle: Path, consumer: str, space: CodeSpace) -> dict:
     return manifest
 
 
-def _ensure_location(registry: Registry, ident: str, path: str) -> None:
-    if registry.locations().get(ident) != path:
-        registry.record_location(ident, path)
-
-
 def _bundle_records(bundle: Path, load: Collection[str] | None, chunk_size: int
                     ) -> tuple[Path, CodeSpace, Space, list[tuple[Pair, Binding | None]]]:
     """The space record and every pair record of ``bundle``, with consumer bindings for ``load``."""
@@ -85,13 +80,19 @@ def register_bundle(bundle: Path, registry: Registry, *, chunk_size: int, replac
     binding: decoders are loaded (their tensors checked against their manifests) for every pair, or only
     for the consumers in ``load`` (the others: None, manifest only)."""
     bundle, space, record, pairs = _bundle_records(bundle, load, chunk_size)
+    locations = registry.locations()  # read once; each record's location is written after the record
+
+    def locate(ident: str) -> None:
+        if locations.get(ident) != str(bundle):
+            registry.record_location(ident, str(bundle))
+
     if _registered(registry.space, record.space_id, record.fingerprint) != record:
         registry.register_space(record, replace=replace)
-    _ensure_location(registry, record.ident, str(bundle))
+    locate(record.ident)
     for pair, _ in pairs:
         if _registered(registry.pair, pair.pair_id, pair.space_fingerprint) != pair:
             registry.register_pair(pair, replace=replace)
-        _ensure_location(registry, pair.ident, str(bundle))
+        locate(pair.ident)
     return record, space, pairs
 
 

@@ -119,17 +119,20 @@ class Registry(ABC):
         when given. Returns the removed record names; engines stop serving them within their
         ``registry_refresh_s``."""
         generation = None if fingerprint is None else generation_of(fingerprint)
-        def chosen(name: str, base: str) -> bool:
-            return name.rpartition("@")[0] == base and (generation is None or name.rpartition("@")[2] == generation)
-        spaces = [n for n in self._all("spaces") if chosen(n, ident)]
-        revoked_fps = {_space(r).fingerprint for n, r in self._all("spaces").items() if n in spaces}
+
+        def chosen(name: str) -> bool:
+            base, _, gen = name.rpartition("@")
+            return base == ident and generation in (None, gen)
+
+        spaces = {n: _space(r) for n, r in self._all("spaces").items() if chosen(n)}
+        revoked_fps = {s.fingerprint for s in spaces.values()}
         pairs = [n for n, r in self._all("pairs").items()
-                 if chosen(n, ident) or (r.get("space_id") == ident and r.get("space_fingerprint") in revoked_fps)]
+                 if chosen(n) or (r.get("space_id") == ident and r.get("space_fingerprint") in revoked_fps)]
         removed = [*spaces, *pairs]
         if pairs:
             self._delete("pairs", pairs)
         if spaces:
-            self._delete("spaces", spaces)
+            self._delete("spaces", list(spaces))
         self._delete("locations", [n for n in self._all("locations") if n in removed])
         return removed
 
