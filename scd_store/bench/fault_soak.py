@@ -240,7 +240,7 @@ def _report(config: FaultSoakConfig, codes: list[int], reports: list[dict[str, A
         "quarantined_by_producer": total("quarantined_blobs", [producer]),
         "repaired_by_producer": total("repaired_blobs", [producer]),
         "redis_incidents": sum(r.get("incidents", {}).get("redis", 0) for r in reports),
-        "disk_errors": producer.get("counters", {}).get("tier_errors", 0) if mounted else 0,
+        "disk_errors": producer.get("tier_counters", {}).get("disk", {}).get("tier_errors", 0) if mounted else 0,
         "consumers_refusing_after_revocation": len(refusal_delays),
     }
     garbage = sum(r.get("garbage", 0) for r in consumers)
@@ -258,7 +258,8 @@ def _report(config: FaultSoakConfig, codes: list[int], reports: list[dict[str, A
         "revocation_seen_after_s": [round(d, 3) for d in refusal_delays],
         "latency_ms": {r["role"] + str(i): {"p50": r.get("p50_ms"), "p99": r.get("p99_ms")}
                        for i, r in enumerate(reports) if r},
-        "producer_counters": producer.get("counters", {}), "consumer_counters": {
+        "producer_counters": producer.get("counters", {}), "producer_tier_counters": producer.get("tier_counters", {}),
+        "consumer_counters": {
             name: total(name, consumers) for name in sorted({n for r in consumers for n in r.get("counters", {})})},
         "unwritten_at_close": producer.get("unwritten", {}), "exit_codes": codes, "config": asdict(config),
     }

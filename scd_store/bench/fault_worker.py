@@ -49,11 +49,15 @@ def _store(spec: dict[str, Any]):  # noqa: ANN202 - a TieredStore
                        registry_refresh_s=spec["registry_refresh_s"], repair_s=0.5)
 
 
-def _counters(store: Any) -> dict[str, int]:
+def _counters(store: Any) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
+    """Each counter's total, and per tier for the counters a tier labels."""
     totals: dict[str, int] = defaultdict(int)
+    per_tier: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for entry in store.stats.snapshot()["counters"]:
         totals[entry["name"]] += int(entry["value"])
-    return dict(totals)
+        if entry["tier"]:
+            per_tier[entry["tier"]][entry["name"]] += int(entry["value"])
+    return dict(totals), {tier: dict(c) for tier, c in per_tier.items()}
 
 
 def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -98,7 +102,7 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
             time.sleep(spec["pause_s"])
     finally:
         report["unwritten"] = store.close(timeout=5.0)
-        report["counters"] = _counters(store)
+        report["counters"], report["tier_counters"] = _counters(store)
         report["incidents"] = {name: h.incidents for name, h in store.health.items()}
     latencies.sort()
     report["p50_ms"] = round(latencies[len(latencies) // 2] * 1e3, 2) if latencies else 0.0
