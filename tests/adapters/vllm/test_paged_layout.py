@@ -24,14 +24,16 @@ def test_reads_return_exactly_what_the_engine_op_wrote(dtype, block_size, head_d
 
 
 def test_keys_are_packed_so_a_naive_view_reads_them_wrong():
-    """Why the map exists: vLLM-CPU packs keys for its ISA's kernel (values stay plain)."""
+    """Why the map exists: vLLM-CPU packs its cache for its ISA's kernel (keys always; values too on AMX)."""
     layer = cpu_layer(torch.bfloat16, 128, 64)
     cache = torch.zeros(2, HEADS, 128, 128, dtype=torch.bfloat16)
     keys, values = (torch.randn(128, HEADS, 64).to(torch.bfloat16) for _ in range(2))
     layer.impl.do_kv_cache_update(layer, keys, values, cache, torch.arange(128, 256))
     naive = cache.view(2, HEADS, 256, 64)[1]
-    assert torch.equal(naive[:, 128:].transpose(0, 1), values)
     assert not torch.equal(naive[:, :128].transpose(0, 1), keys)
+    block_map = probe(layer, torch.zeros_like(cache))
+    got_k, got_v = read_tokens(block_map, cache, torch.arange(128, 256))
+    assert torch.equal(got_k, keys) and torch.equal(got_v, values)  # the map derived from the op reads both
 
 
 def test_writes_go_through_the_engine_op_and_leave_other_slots_alone():
