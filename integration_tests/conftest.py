@@ -2,10 +2,33 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from scd_store.adapters.transformers import LoadedModel, load_model
 from scd_store.models import catalog
+
+
+@pytest.fixture(scope="session", autouse=True)
+def signing_keys(tmp_path_factory):
+    """Every process these tests start signs and verifies with one private key file (``SCD_STORE_SIGNING_KEYS``,
+    inherited by engine processes): a tier shared between processes requires signed blobs. Tests of the roles
+    (a reader holding only the public key, the host keyring) set their own."""
+    from scd_store.store.signing import SigningKey, write_key_file
+
+    root = tmp_path_factory.mktemp("signing-keys")
+    key = SigningKey.generate("integration")
+    write_key_file(root / "private.keys", [key.line()], private=True)
+    assert key.public is not None
+    write_key_file(root / "public.keys", [key.public.line()], private=False)
+    before = os.environ.get("SCD_STORE_SIGNING_KEYS")
+    os.environ["SCD_STORE_SIGNING_KEYS"] = str(root / "private.keys")
+    yield {"private": root / "private.keys", "public": root / "public.keys"}
+    if before is None:
+        os.environ.pop("SCD_STORE_SIGNING_KEYS", None)
+    else:
+        os.environ["SCD_STORE_SIGNING_KEYS"] = before
 
 
 @pytest.fixture(scope="session")

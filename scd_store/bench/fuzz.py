@@ -14,7 +14,7 @@ import torch
 
 from scd_store.codecs.scd.bundle import BundleError, parse_manifest
 from scd_store.codecs.tensor_pack import PayloadError, pack, unpack
-from scd_store.store.blob import BlobError, BlobMeta, Section, decode_blob, encode_blob
+from scd_store.store.blob import BlobError, BlobMeta, decode_blob, encode_blob
 from scd_store.store.transfer.base import SourceInfo, TransferError, refs_from_json
 
 BLOB_FINGERPRINT = "fp" * 16
@@ -60,7 +60,7 @@ def fuzz(parse: Callable[[bytes], object], error: type[Exception], seed_input: b
 
 
 def seed_blob() -> bytes:
-    meta = BlobMeta("scd-v1", BLOB_FINGERPRINT, 256, ("k", "v"), ("u8",), (4,), (Section("codes", 0, 40),))
+    meta = BlobMeta("scd-v1", BLOB_FINGERPRINT, 256)
     return encode_blob(meta, bytes(range(200)))
 
 

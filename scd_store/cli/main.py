@@ -106,12 +106,14 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _add_store_commands(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:
     from scd_store.cli.bench_cmds import add_bench_parsers
+    from scd_store.cli.keys_cmds import add_keys_parsers
     from scd_store.cli.registry_cmds import add_registry_parsers
     from scd_store.cli.stats_cmd import add_stats_parser
     from scd_store.cli.store_cmds import add_bench_store_parser
 
     add_stats_parser(sub)
     add_registry_parsers(sub)
+    add_keys_parsers(sub)
     add_bench_parsers(bench)
     add_bench_store_parser(bench)
 

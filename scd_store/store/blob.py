@@ -4,38 +4,38 @@ Layout (all integers little-endian)::
 
     offset  size  field
     0       4     magic b"SCDB"
-    4       2     format version (u16, 2)
+    4       2     format version (u16, 3)
     6       2     flags (u16; bit 0: signed)
     8       4     header length H (u32, at most MAX_HEADER_BYTES)
     12      8     payload length P (u64)
-    20      H     header: UTF-8 JSON object (codec id, space fingerprint, token count, layer roles,
-                  code dtypes, bit widths, sections)
+    20      H     header: UTF-8 JSON object (codec id, space fingerprint, token count)
     20+H    P     payload: the codec's serialised bytes, opaque to the store
     20+H+P  16    checksum: xxh3-128 over bytes [0, 20+H+P)
     signed blobs only:
     +16     1     key id length L
-    +17     L     key id (ASCII: which secret signed it)
-    +17+L   32    tag: HMAC-SHA256(secret, store key || 0x00 || every byte before the tag)
+    +17     L     key id (ASCII: which key signed it)
+    +17+L   64    signature: Ed25519 over "scd-store/blob/v3" || 0x00 || store key || 0x00 ||
+                  SHA-256(every byte before the signature)
 
-The checksum tells corruption; the tag tells a blob this space's producer wrote under this key
-(:mod:`scd_store.store.signing`): a forged blob, or a genuine one copied to another key, fails it.
-``sections`` are ``[name, offset, length]`` entries inside the payload. No pickle: the header is
-JSON, the payload raw bytes. Every length is checked against the bytes present before anything is
-allocated.
+The checksum tells corruption; the signature tells a blob this space's producer wrote under this
+key (:mod:`scd_store.store.signing`): a forged blob, or a genuine one copied to another key, fails
+it, and readers hold only public keys, so no reader can make one. No pickle: the header is JSON
+(non-finite numbers refused), the payload raw bytes. Every length is checked against the bytes
+present before anything is allocated.
 """
 
 from __future__ import annotations
 
-import hmac
+import hashlib
 import json
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import xxhash
 
 from scd_store.store.keys import KEY_FORMAT
-from scd_store.store.signing import TAG_SIZE, Keyring, SigningKey
+from scd_store.store.signing import SIGNATURE_SIZE, Keyring, SigningKey
 
 MAGIC = b"SCDB"
 FORMAT_VERSION = KEY_FORMAT
@@ -44,8 +44,8 @@ _PREFIX = struct.Struct("<4sHHIQ")
 PREFIX_SIZE = _PREFIX.size  # 20
 CHECKSUM_SIZE = 16
 MAX_HEADER_BYTES = 64 << 10
-_HEADER_FIELDS = ("codec_id", "space_fingerprint", "token_count", "layer_roles", "code_dtypes", "bit_widths",
-                  "sections")
+_HEADER_FIELDS = ("codec_id", "space_fingerprint", "token_count")
+_SIGNED_CONTEXT = b"scd-store/blob/v3\0"
 
 
 class BlobError(ValueError):
@@ -53,21 +53,12 @@ class BlobError(ValueError):
 
 
 class SignatureError(BlobError):
-    """A blob without a valid tag where signatures are required (unsigned, unknown or expired key,
-    forged, or moved to another key): never decode it."""
+    """A blob without a valid signature where signatures are required (unsigned, unknown or expired
+    key, forged, or moved to another key): never decode it."""
 
 
 class ForeignBlob(BlobError):
     """A well-formed blob of another space generation or codec: a miss, not damage (never deleted)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Section:
-    """A named byte range inside the payload."""
-
-    name: str
-    offset: int
-    length: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,10 +68,6 @@ class BlobMeta:
     codec_id: str
     space_fingerprint: str
     token_count: int
-    layer_roles: tuple[str, ...] = ()
-    code_dtypes: tuple[str, ...] = ()
-    bit_widths: tuple[int, ...] = ()
-    sections: tuple[Section, ...] = field(default=())
 
     def __post_init__(self) -> None:
         if not isinstance(self.codec_id, str) or not self.codec_id:
@@ -89,23 +76,10 @@ class BlobMeta:
             raise BlobError("space_fingerprint must be a non-empty string")
         if isinstance(self.token_count, bool) or not isinstance(self.token_count, int) or self.token_count < 0:
             raise BlobError(f"token_count must be an int >= 0, got {self.token_count!r}")
-        if not all(isinstance(r, str) for r in self.layer_roles):
-            raise BlobError("layer_roles must be strings")
-        if not all(isinstance(d, str) for d in self.code_dtypes):
-            raise BlobError("code_dtypes must be strings")
-        if not all(isinstance(b, int) and not isinstance(b, bool) and 0 <= b <= 64 for b in self.bit_widths):
-            raise BlobError("bit_widths must be ints in [0, 64]")
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "codec_id": self.codec_id,
-            "space_fingerprint": self.space_fingerprint,
-            "token_count": self.token_count,
-            "layer_roles": list(self.layer_roles),
-            "code_dtypes": list(self.code_dtypes),
-            "bit_widths": list(self.bit_widths),
-            "sections": [[s.name, s.offset, s.length] for s in self.sections],
-        }
+        return {"codec_id": self.codec_id, "space_fingerprint": self.space_fingerprint,
+                "token_count": self.token_count}
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,20 +90,19 @@ class Blob:
     payload: memoryview
 
 
-def _check_sections(sections: tuple[Section, ...], payload_len: int) -> None:
-    for s in sections:
-        if not isinstance(s.name, str) or not isinstance(s.offset, int) or not isinstance(s.length, int):
-            raise BlobError(f"malformed section {s!r}")
-        if s.offset < 0 or s.length < 0 or s.offset + s.length > payload_len:
-            raise BlobError(f"section {s.name!r} [{s.offset}, +{s.length}) lies outside the {payload_len}-byte payload")
+def _signed_message(key: str, *body: bytes | memoryview) -> bytes:
+    """What a blob's signature covers: its store key and a SHA-256 of every byte before the signature."""
+    digest = hashlib.sha256()
+    for part in body:
+        digest.update(part)
+    return _SIGNED_CONTEXT + key.encode() + b"\0" + digest.digest()
 
 
 def encode_blob(meta: BlobMeta, payload: bytes | bytearray | memoryview, *, key: str = "",
                 signer: SigningKey | None = None) -> bytes:
     """Serialise ``meta`` and ``payload`` into one checksummed blob, signed for store ``key`` when a
-    ``signer`` is given."""
+    ``signer`` (a private key) is given."""
     payload = memoryview(payload).cast("B")
-    _check_sections(meta.sections, payload.nbytes)
     header = json.dumps(meta.to_json(), separators=(",", ":"), sort_keys=True).encode()
     if len(header) > MAX_HEADER_BYTES:
         raise BlobError(f"blob header is {len(header)} bytes, more than {MAX_HEADER_BYTES}")
@@ -142,42 +115,40 @@ def encode_blob(meta: BlobMeta, payload: bytes | bytearray | memoryview, *, key:
         return b"".join(parts)
     key_id = signer.key_id.encode()
     parts += [bytes([len(key_id)]), key_id]
-    body = b"".join(parts)
-    return body + signer.tag(key, body)
+    return b"".join([*parts, signer.sign(_signed_message(key, *parts))])
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number a blob header may hold")
 
 
 def _meta_from_json(header: bytes) -> BlobMeta:
     try:
-        obj = json.loads(header.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise BlobError(f"blob header is not valid UTF-8 JSON: {exc}") from exc
+        obj = json.loads(header.decode("utf-8"), parse_constant=_no_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise BlobError(f"blob header is not valid UTF-8 JSON: {exc}") from None
     if not isinstance(obj, dict) or set(obj) != set(_HEADER_FIELDS):
         raise BlobError(f"blob header fields are wrong: {sorted(obj) if isinstance(obj, dict) else type(obj)}")
-    try:
-        sections = tuple(Section(str(n), int(o), int(ln)) for n, o, ln in obj["sections"])
-        return BlobMeta(obj["codec_id"], obj["space_fingerprint"], obj["token_count"], tuple(obj["layer_roles"]),
-                        tuple(obj["code_dtypes"]), tuple(obj["bit_widths"]), sections)
-    except (TypeError, ValueError) as exc:
-        raise BlobError(f"blob header is malformed: {exc}") from exc
+    return BlobMeta(obj["codec_id"], obj["space_fingerprint"], obj["token_count"])
 
 
-def _verify_tag(view: memoryview, end: int, key: str, space_id: str, keyring: Keyring) -> int:
+def _verify_signature(view: memoryview, end: int, key: str, space_id: str, keyring: Keyring) -> int:
     """Check a signed blob's trailer after ``end`` (the checksum's end); returns the blob's full length."""
     if end + 1 > view.nbytes:
         raise BlobError("signed blob is truncated before its key id")
     id_len = view[end]
-    total = end + 1 + id_len + TAG_SIZE
+    total = end + 1 + id_len + SIGNATURE_SIZE
     if total != view.nbytes:
         raise BlobError(f"blob length {view.nbytes} does not match its signed trailer ({total}): truncated or extended")
     try:
         key_id = bytes(view[end + 1:end + 1 + id_len]).decode("ascii")
     except UnicodeDecodeError:
         raise SignatureError("blob key id is not ASCII") from None
-    secret = keyring.verifier(space_id, key_id)
-    if secret is None:
+    public = keyring.verifier(space_id, key_id)
+    if public is None:
         raise SignatureError(f"blob is signed with key {key_id!r}, which this keyring does not hold (or no longer)")
-    if not hmac.compare_digest(secret.tag(key, view[:total - TAG_SIZE]), view[total - TAG_SIZE:]):
-        raise SignatureError("blob tag does not verify: forged, or moved from another key")
+    if not public.verify(_signed_message(key, view[:total - SIGNATURE_SIZE]), view[total - SIGNATURE_SIZE:]):
+        raise SignatureError("blob signature does not verify: forged, or moved from another key")
     return total
 
 
@@ -185,7 +156,7 @@ def decode_blob(data: bytes | bytearray | memoryview, *, key: str = "", space_id
                 keyring: Keyring | None = None, expect_space_fingerprint: str | None = None,
                 expect_codec_id: str | None = None, max_token_count: int | None = None) -> Blob:
     """Verify and split a blob read under store ``key`` of ``space_id``. With a ``keyring`` the blob
-    must carry a valid tag (:class:`SignatureError`); without one, a signed blob's trailer is checked
+    must carry a valid signature (:class:`SignatureError`); without one, a signed blob's trailer is checked
     for its framing only. Raises :class:`BlobError` on any defect; never returns garbage."""
     view = memoryview(data).cast("B")
     n = view.nbytes
@@ -210,11 +181,10 @@ def decode_blob(data: bytes | bytearray | memoryview, *, key: str = "", space_id
         raise SignatureError("blob is unsigned and this store requires signed blobs")
     if signed:
         if keyring is not None:
-            _verify_tag(view, end, key, space_id, keyring)
-        elif end + 1 > n or end + 1 + view[end] + TAG_SIZE != n:
+            _verify_signature(view, end, key, space_id, keyring)
+        elif end + 1 > n or end + 1 + view[end] + SIGNATURE_SIZE != n:
             raise BlobError("signed blob trailer does not match its length: truncated or extended")
     meta = _meta_from_json(bytes(view[PREFIX_SIZE:PREFIX_SIZE + header_len]))
-    _check_sections(meta.sections, payload_len)
     if max_token_count is not None and not 0 < meta.token_count <= max_token_count:
         raise BlobError(f"blob covers {meta.token_count} tokens; a chunk of this space holds 1 to {max_token_count}")
     if expect_space_fingerprint is not None and meta.space_fingerprint != expect_space_fingerprint:

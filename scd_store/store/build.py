@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from scd_store.store.config import ConfigError, StoreConfig, TierConfig, load_config
+from scd_store.store.host_keys import host_keyring
 from scd_store.store.registry import FileRegistry, RedisRegistry, Registry
 from scd_store.store.signing import Keyring
 from scd_store.store.stats import StoreStats
@@ -50,6 +51,9 @@ def build_tier(cfg: TierConfig) -> Tier | None:
     return GpuTier(int(cfg.max_bytes))
 
 
+SHARED_KINDS = ("disk", "peer", "redis")  # tiers more than one process reads: their blobs must be signed
+
+
 def open_registry_for(config: StoreConfig) -> Registry:
     url = config.registry_url or config.redis_url
     if url:
@@ -58,14 +62,14 @@ def open_registry_for(config: StoreConfig) -> Registry:
         return FileRegistry(config.registry_path)
     from scd_store.paths import data_dir
 
-    return FileRegistry(data_dir() / "store" / "registry.json")
+    return FileRegistry(data_dir() / "registry" / "registry.json")  # outside every tier's root
 
 
 def stats_dir() -> Path:
-    """Where processes without Redis write their stats snapshots (``<data dir>/store/stats``)."""
+    """Where processes without Redis write their stats snapshots (``<data dir>/stats``)."""
     from scd_store.paths import data_dir
 
-    return Path(data_dir()) / "store" / "stats"
+    return Path(data_dir()) / "stats"
 
 
 def stats_sink_for(config: StoreConfig) -> StatsSink:
@@ -74,17 +78,36 @@ def stats_sink_for(config: StoreConfig) -> StatsSink:
     return RedisStatsMirror(url) if url else SnapshotFiles(config.stats_path or stats_dir())
 
 
-def keyring_for(config: StoreConfig, env: Mapping[str, str] | None = None) -> Keyring | None:
-    """The signing keyring of ``config`` (``signing_keys``, ``SCD_STORE_SIGNING_KEY``), or None; with
-    ``require_signed`` and no keys, an error (this process could neither sign nor verify)."""
+def keyring_for(config: StoreConfig, env: Mapping[str, str] | None = None, stats: StoreStats | None = None
+                ) -> Keyring | None:
+    """The keyring of ``config`` (``signing_keys``, ``SCD_STORE_SIGNING_KEY(S)``). Without one, blobs of tiers
+    several processes share must still be signed: tiers of this host only (disk) use the host keyring
+    (:mod:`scd_store.store.host_keys`); tiers other hosts reach (Redis, peers) are an error unless the
+    operator opts out with ``allow_unsigned`` (a warning). ``require_signed`` asks for configured keys always."""
+    on_error = (lambda _message: stats.inc("keyring_errors")) if stats is not None else None
     keyring = Keyring.from_env(config.signing_keys, os.environ if env is None else env)
-    if keyring is None and config.require_signed:
+    if keyring is not None:
+        keyring.on_error = on_error
+        return keyring
+    if config.require_signed:
         raise ConfigError("require_signed is set but no signing keys are configured (signing_keys, "
-                          "SCD_STORE_SIGNING_KEYS or SCD_STORE_SIGNING_KEY)")
-    if keyring is None and any(t.kind in ("redis", "peer") for t in config.tiers):
-        log.warning("scd-store: a shared tier without signing keys: anyone who can write to it can plant codes "
-                    "that consumers decode; configure signing_keys (docs/reliability.md)")
-    return keyring
+                          "SCD_STORE_SIGNING_KEYS or SCD_STORE_SIGNING_KEY; make them with `scd-store keys new`)")
+    shared = [t.kind for t in config.tiers if t.kind in SHARED_KINDS]
+    if not shared:
+        return None
+    if config.allow_unsigned:
+        log.warning("scd-store: allow_unsigned: the %s tier(s) are shared by several processes and their blobs are "
+                    "unsigned, so whoever can write to them can plant codes readers decode (docs/reliability.md)",
+                    "/".join(shared))
+        return None
+    remote = [k for k in shared if k != "disk"]
+    if remote:
+        raise ConfigError(f"the {'/'.join(remote)} tier is shared with other processes and hosts, so its blobs must "
+                          "be signed: make keys with `scd-store keys new` and set signing_keys (producers: the "
+                          "private file, readers: the public one), or opt out with allow_unsigned: true")
+    from scd_store.paths import data_dir
+
+    return host_keyring(data_dir() / "keys", on_error=on_error)
 
 
 def open_store(config: StoreConfig | None = None, *, registry: Registry | None = None,
@@ -107,5 +130,6 @@ def open_store(config: StoreConfig | None = None, *, registry: Registry | None =
                        put_timeout_s=config.put_timeout_s, queue_size=[c.queue_size for c, _ in pairs],
                        writers=[c.writers for c, _ in pairs], backoff_min_s=config.retry_backoff_min_s,
                        backoff_max_s=config.retry_backoff_max_s,
-                       stats_sink=sink, keyring=keyring_for(config), registry_refresh_s=config.registry_refresh_s,
+                       stats_sink=sink, keyring=keyring_for(config, stats=stats),
+                       registry_refresh_s=config.registry_refresh_s,
                        tier_timeouts={t.name: float(c.op_timeout_s) for c, t in pairs if c.op_timeout_s is not None})

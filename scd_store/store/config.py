@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from scd_store.store.fs_safety import inside
 from scd_store.store.keys import DEFAULT_CHUNK_SIZE, validate_chunk_size
 from scd_store.store.redis_url import parse_redis_url
 
@@ -117,6 +118,7 @@ class StoreConfig:
     raw_kv_bytes_per_token: int = 0
     signing_keys: str | None = None
     require_signed: bool = False
+    allow_unsigned: bool = False
     registry_refresh_s: float = 2.0
 
     def __post_init__(self) -> None:
@@ -146,8 +148,15 @@ class StoreConfig:
         if self.signing_keys is not None and not Path(self.signing_keys).exists():
             raise ConfigError(f"signing_keys {self.signing_keys!r} does not exist (a key file or a directory of "
                               "<space_id>.keys files)")
-        if not isinstance(self.require_signed, bool):
-            raise ConfigError(f"require_signed must be true or false, got {self.require_signed!r}")
+        for name in ("require_signed", "allow_unsigned"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.require_signed and self.allow_unsigned:
+            raise ConfigError("require_signed and allow_unsigned contradict each other: set one")
+        for tier in self.tiers:
+            if tier.kind == "disk" and self.registry_path and inside(self.registry_path, str(tier.path)):
+                raise ConfigError(f"registry_path {self.registry_path} lies inside the disk tier {tier.path}: whoever "
+                                  "can write blobs there could rewrite the registry; put it outside")
         if float(self.registry_refresh_s) < 0:
             raise ConfigError("registry_refresh_s must be >= 0 (0: never re-read the registry)")
 
@@ -214,7 +223,7 @@ class StoreConfig:
         for key, cast in (("CHUNK_SIZE", int), ("OP_TIMEOUT_S", float), ("PUT_TIMEOUT_S", float),
                           ("REGISTRY_URL", str), ("REGISTRY_PATH", str), ("STATS_REDIS_URL", str), ("STATS_PATH", str),
                           ("METRICS_PORT", int), ("RAW_KV_BYTES_PER_TOKEN", int), ("SIGNING_KEYS", str),
-                          ("REQUIRE_SIGNED", _flag), ("REGISTRY_REFRESH_S", float)):
+                          ("REQUIRE_SIGNED", _flag), ("ALLOW_UNSIGNED", _flag), ("REGISTRY_REFRESH_S", float)):
             if "SCD_STORE_" + key in env:
                 try:
                     updates[key.lower()] = cast(env["SCD_STORE_" + key])

@@ -19,28 +19,36 @@ STORE_DOCS = {
     "retry_backoff_min_s": "first retry delay of a failed tier",
     "retry_backoff_max_s": "longest retry delay of a failed tier",
     "registry_url": "Redis URL of the registry (default: the first Redis tier's URL)",
-    "registry_path": "JSON file of the registry when there is no Redis (default: `<data dir>/store/registry.json`)",
+    "registry_path": "JSON file of the registry when there is no Redis (default: `<data dir>/registry/registry.json`; "
+                     "never inside a disk tier, and its directory writable by this user only)",
     "stats_redis_url": "Redis URL where counters are shared for `scd-store stats` (default: the Redis tier)",
-    "stats_path": "directory of the per-process stats snapshots without Redis (default: `<data dir>/store/stats`)",
+    "stats_path": "directory of the per-process stats snapshots without Redis (default: `<data dir>/stats`)",
     "metrics_port": "serve Prometheus metrics (`scd_store_*`) on this loopback port",
     "raw_kv_bytes_per_token": "raw KV bytes per token for `bytes_saved` when a space does not say",
-    "signing_keys": "a key file, or a directory of `<space_id>.keys` files (+ `default.keys`): producers sign "
-                    "every blob with it, readers accept only blobs that verify (docs/reliability.md); never in a "
-                    "bundle",
-    "require_signed": "refuse to start without signing keys (set it wherever a shared tier is used)",
+    "signing_keys": "an Ed25519 key file, or a directory of `<space_id>.keys` files (+ `default.keys`), from "
+                    "`scd-store keys new`: producers hold the private lines and sign every blob, readers hold the "
+                    "public lines and accept only blobs that verify (docs/reliability.md); never in a bundle. "
+                    "Without it, a disk tier's blobs are signed with the host keyring (`<data dir>/keys`), and a "
+                    "Redis or peer tier is refused unless `allow_unsigned`",
+    "require_signed": "refuse to start without configured signing keys (even for memory-only tiers)",
+    "allow_unsigned": "opt out of signing for tiers several processes share (logged as a warning): whoever can "
+                      "write to them can then plant codes readers decode",
     "registry_refresh_s": "how often the registry's version is checked; a revoked or changed space or pair takes "
                           "effect within this (0: never)",
 }
 TIER_DOCS = {
     "kind": f"one of {', '.join(TIER_KINDS)}",
     "max_bytes": "byte bound of the tier (`512MiB`, `2GB`, ints); for Redis only with `apply_server_maxmemory`",
-    "path": "disk tier directory (default: `<data dir>/store`); peer tier: its directory of who holds what "
-            "(default: `<data dir>/store/peers`) when it has no `url`",
+    "path": "disk tier directory (default: `<data dir>/store`; created 0700, refused when other users may write "
+            "it); peer tier: its directory of who holds what (default: `<data dir>/store/peers`) when it has no "
+            "`url`",
     "url": "Redis URL: `redis://`, `rediss://` (TLS), `redis+cluster://h1:p1,h2:p2`, `redis+sentinel://h:p/svc`; "
            "for a peer tier, where its directory lives (between hosts)",
-    "ttl_s": "Redis: expire blobs after this many seconds, refreshed on every hit (null: never); with "
-             "`maxmemory-policy volatile-lru` only blobs are evicted, never the registry or counters",
-    "max_value_bytes": "largest blob the tier accepts (larger ones are refused and counted)",
+    "ttl_s": "Redis: expire blobs after this many seconds, refreshed by the producer from the hits readers "
+             "report (null: never); with `maxmemory-policy volatile-lru` only keys with a TTL are evicted, never "
+             "the registry",
+    "max_value_bytes": "largest blob the tier accepts or reads (Redis, disk, peers; larger ones are never written "
+                       "there, `oversized_writes`, and a larger one found there is a miss)",
     "apply_server_maxmemory": "Redis: set the server's `maxmemory` to `max_bytes`",
     "pinned": "CPU tier: keep blobs in pinned memory (with CUDA) for fast device copies",
     "fsync": "disk tier: fsync every blob before it counts as written",
@@ -66,8 +74,9 @@ ENV = [
                              "reuses freed blocks: `mallopt(M_MMAP_MAX, 0)`, see docs/scd.md)"),
     ("SCD_STORE_<FIELD>", "`CHUNK_SIZE`, `OP_TIMEOUT_S`, `PUT_TIMEOUT_S`, `REGISTRY_URL`, `REGISTRY_PATH`, "
                           "`STATS_REDIS_URL`, `STATS_PATH`, `METRICS_PORT`, `RAW_KV_BYTES_PER_TOKEN`, "
-                          "`SIGNING_KEYS`, `REQUIRE_SIGNED`, `REGISTRY_REFRESH_S`"),
-    ("SCD_STORE_SIGNING_KEY", "one signing key inline, `key_id:hex` (for every space; first before the file's)"),
+                          "`SIGNING_KEYS`, `REQUIRE_SIGNED`, `ALLOW_UNSIGNED`, `REGISTRY_REFRESH_S`"),
+    ("SCD_STORE_SIGNING_KEY", "one key inline, `key_id:ed25519-private:HEX` or `key_id:ed25519-public:HEX` (for "
+                              "every space; first before the file's)"),
 ]
 
 

@@ -20,7 +20,7 @@ import xxhash
 
 DEFAULT_CHUNK_SIZE = 256
 KEY_PREFIX = "scd"
-KEY_FORMAT = 2  # the blob format version the keys name (scd_store.store.blob.FORMAT_VERSION)
+KEY_FORMAT = 3  # the blob format version the keys name (scd_store.store.blob.FORMAT_VERSION)
 ROOT_HASH = xxhash.xxh3_128(b"scd-store/chunk-chain/v1").digest()
 _SPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _HEX_RE = re.compile(r"^[0-9a-f]{32}$")

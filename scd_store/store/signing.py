@@ -1,123 +1,209 @@
-"""Per-space signing keys: producers tag every blob with an HMAC, readers accept only valid tags.
+"""Per-space Ed25519 keys: producers sign every blob with a private key, readers verify with public keys.
 
-A keyring comes from a path (``signing_keys`` in the store config, ``SCD_STORE_SIGNING_KEYS``) and/or
-one inline key (``SCD_STORE_SIGNING_KEY=key_id:hex``); never from a bundle. The path is a key file
-used for every space, or a directory of ``<space_id>.keys`` files with an optional ``default.keys``
-for the others. A key file holds lines ``key_id secret [until=TIME]`` (``#`` comments): the secret is
-hex (at least 16 bytes) or ``base64:...``; the first valid line signs, every valid line verifies, and
-a line past its ``until`` (unix seconds or ISO-8601 UTC) no longer verifies. Rotation: add the new
-key as a second line everywhere, move it first on producers, then give the old one an ``until``
-(or remove it) once blobs it signed have expired. Files are re-read when they change (checked
-every ``reload_s``).
+A reader holds only public keys, so no reader can sign a blob any other process accepts. A keyring
+comes from a path (``signing_keys`` in the store config, ``SCD_STORE_SIGNING_KEYS``) and/or one
+inline key (``SCD_STORE_SIGNING_KEY=key_id:ed25519-private:HEX``); never from a bundle. The path is
+a key file used for every space, or a directory of ``<space_id>.keys`` files with an optional
+``default.keys`` for the others. A key file holds lines ``key_id ed25519-private:HEX [until=TIME]``
+(producers) or ``key_id ed25519-public:HEX [until=TIME]`` (readers); ``#`` starts a comment. The
+first valid private line signs; every valid line verifies (a private line by its public half); a
+line past its ``until`` (unix seconds or ISO-8601 UTC) no longer verifies. ``scd-store keys new``
+makes a pair. Rotation: add the new public line everywhere, then the new private line first on
+producers, then give the old lines an ``until`` (or remove them) once blobs they signed expired.
+
+Files are re-read when they change (checked every ``reload_s``): a file that no longer parses keeps
+the keys read before (logged and counted: ``on_error``); a key file or directory that is gone takes
+its keys with it (fails closed: nothing signs or verifies until it is back).
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import contextlib
-import hmac
+import logging
+import math
 import os
 import re
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-TAG_SIZE = 32  # HMAC-SHA256
-MIN_SECRET_BYTES = 16
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+SIGNATURE_SIZE = 64  # Ed25519
+KEY_BYTES = 32
 DEFAULT_FILE = "default.keys"
+PRIVATE, PUBLIC = "ed25519-private:", "ed25519-public:"
 _KEY_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+log = logging.getLogger("scd_store.store")
 
 
 class KeyringError(ValueError):
-    """An unreadable or malformed signing key file."""
+    """An unreadable or malformed key file."""
+
+
+def _check_id(key_id: str) -> None:
+    if not isinstance(key_id, str) or not _KEY_ID_RE.match(key_id):
+        raise KeyringError(f"key id {key_id!r}: use 1-64 characters [A-Za-z0-9._-]")
+
+
+def _check_until(until: float | None) -> None:
+    if until is not None and (isinstance(until, bool) or not isinstance(until, (int, float))
+                              or not math.isfinite(until) or until <= 0):
+        raise KeyringError(f"until={until!r}: a key's end of validity is a finite time after 1970")
 
 
 @dataclass(frozen=True, slots=True)
-class SigningKey:
-    """One secret: its id (carried in every blob it signs), bytes and end of validity (None: none)."""
+class VerifyKey:
+    """A public key: its id (carried in every blob it verifies), 32 bytes, end of validity (None: none)."""
 
     key_id: str
-    secret: bytes
+    public: bytes
     until: float | None = None
+    _key: Ed25519PublicKey | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not _KEY_ID_RE.match(self.key_id):
-            raise KeyringError(f"signing key id {self.key_id!r}: use 1-64 characters [A-Za-z0-9._-]")
-        if len(self.secret) < MIN_SECRET_BYTES:
-            raise KeyringError(f"signing key {self.key_id!r} is {len(self.secret)} bytes; use at least "
-                               f"{MIN_SECRET_BYTES} (e.g. `openssl rand -hex 32`)")
+        _check_id(self.key_id)
+        _check_until(self.until)
+        if len(self.public) != KEY_BYTES:
+            raise KeyringError(f"key {self.key_id!r}: an Ed25519 public key is {KEY_BYTES} bytes")
+        object.__setattr__(self, "_key", Ed25519PublicKey.from_public_bytes(self.public))
 
     def valid(self, now: float) -> bool:
         return self.until is None or now < self.until
 
-    def tag(self, key: str, body: bytes | memoryview) -> bytes:
-        """HMAC-SHA256 over the store key and the blob body: a tag moved to another key does not verify."""
-        mac = hmac.new(self.secret, key.encode() + b"\0", "sha256")
-        mac.update(body)
-        return mac.digest()
+    def verify(self, message: bytes, signature: bytes | memoryview) -> bool:
+        """Whether ``signature`` is this key's over ``message``."""
+        assert self._key is not None
+        try:
+            self._key.verify(bytes(signature), message)
+        except InvalidSignature:
+            return False
+        return True
+
+    def line(self) -> str:
+        """This key as a key file line."""
+        return _line(self.key_id, PUBLIC + self.public.hex(), self.until)
 
 
-def _secret(text: str, where: str) -> bytes:
+@dataclass(frozen=True, slots=True)
+class SigningKey:
+    """A private key (the 32-byte seed) of a producer; :attr:`public` is what readers hold."""
+
+    key_id: str
+    private: bytes
+    until: float | None = None
+    _key: Ed25519PrivateKey | None = field(default=None, repr=False, compare=False)
+    public: VerifyKey | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        _check_id(self.key_id)
+        _check_until(self.until)
+        if len(self.private) != KEY_BYTES:
+            raise KeyringError(f"key {self.key_id!r}: an Ed25519 private key is {KEY_BYTES} bytes")
+        key = Ed25519PrivateKey.from_private_bytes(self.private)
+        raw = key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+        object.__setattr__(self, "_key", key)
+        object.__setattr__(self, "public", VerifyKey(self.key_id, raw, self.until))
+
+    @classmethod
+    def generate(cls, key_id: str, until: float | None = None) -> SigningKey:
+        return cls(key_id, os.urandom(KEY_BYTES), until)
+
+    def valid(self, now: float) -> bool:
+        return self.until is None or now < self.until
+
+    def sign(self, message: bytes) -> bytes:
+        assert self._key is not None
+        return self._key.sign(message)
+
+    def line(self) -> str:
+        """This key as a (private) key file line."""
+        return _line(self.key_id, PRIVATE + self.private.hex(), self.until)
+
+
+Key = SigningKey | VerifyKey
+
+
+def _line(key_id: str, material: str, until: float | None) -> str:
+    return f"{key_id} {material}" + (f" until={until:.0f}" if until is not None else "")
+
+
+def _material(text: str, key_id: str, until: float | None, where: str) -> Key:
+    kind = PRIVATE if text.startswith(PRIVATE) else PUBLIC if text.startswith(PUBLIC) else None
+    if kind is None:
+        raise KeyringError(f"{where}: expected {PRIVATE}HEX or {PUBLIC}HEX (HMAC secrets are no longer accepted: "
+                           "make a key pair with `scd-store keys new`)")
     try:
-        return base64.b64decode(text[7:], validate=True) if text.startswith("base64:") else bytes.fromhex(text)
-    except (ValueError, binascii.Error) as exc:
-        raise KeyringError(f"{where}: the secret is neither hex nor base64:... ({exc})") from None
-
-
-def _until(text: str, where: str) -> float:
-    try:
-        return float(text)
+        raw = bytes.fromhex(text[len(kind):])
     except ValueError:
-        pass
+        raise KeyringError(f"{where}: the key is not hex") from None
+    return SigningKey(key_id, raw, until) if kind == PRIVATE else VerifyKey(key_id, raw, until)
+
+
+def parse_until(text: str, where: str) -> float:
     try:
-        stamp = datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError as exc:
-        raise KeyringError(f"{where}: until={text!r} is neither unix seconds nor ISO-8601") from exc
-    return (stamp if stamp.tzinfo else stamp.replace(tzinfo=timezone.utc)).timestamp()
+        value = float(text)
+    except ValueError:
+        try:
+            stamp = datetime.fromisoformat(text.replace("Z", "+00:00"))
+        except ValueError as exc:
+            raise KeyringError(f"{where}: until={text!r} is neither unix seconds nor ISO-8601") from exc
+        value = (stamp if stamp.tzinfo else stamp.replace(tzinfo=timezone.utc)).timestamp()
+    if not math.isfinite(value) or value <= 0:
+        raise KeyringError(f"{where}: until={text!r} is not a finite time after 1970")
+    return value
 
 
-def parse_key_file(text: str, where: str) -> tuple[SigningKey, ...]:
-    """The keys of one key file (first = the signing key)."""
-    keys = []
+def parse_key_file(text: str, where: str) -> tuple[Key, ...]:
+    """The keys of one key file, in order (the first private one signs)."""
+    keys: list[Key] = []
     for n, line in enumerate(text.splitlines(), 1):
         fields = line.split("#", 1)[0].split()
         if not fields:
             continue
         at = f"{where}:{n}"
         if len(fields) not in (2, 3) or (len(fields) == 3 and not fields[2].startswith("until=")):
-            raise KeyringError(f"{at}: expected 'key_id secret [until=TIME]'")
-        until = _until(fields[2][6:], at) if len(fields) == 3 else None
-        keys.append(SigningKey(fields[0], _secret(fields[1], at), until))
+            raise KeyringError(f"{at}: expected 'key_id {PRIVATE}HEX|{PUBLIC}HEX [until=TIME]'")
+        until = parse_until(fields[2][6:], at) if len(fields) == 3 else None
+        try:
+            keys.append(_material(fields[1], fields[0], until, at))
+        except KeyringError as exc:
+            raise KeyringError(str(exc) if str(exc).startswith(at) else f"{at}: {exc}") from None
     if len({k.key_id for k in keys}) != len(keys):
         raise KeyringError(f"{where}: a key id appears twice")
     return tuple(keys)
 
 
-def parse_inline_key(text: str) -> SigningKey:
-    """``key_id:secret`` (``SCD_STORE_SIGNING_KEY``)."""
-    key_id, sep, secret = text.partition(":")
+def parse_inline_key(text: str) -> Key:
+    """``key_id:ed25519-private:HEX`` or ``key_id:ed25519-public:HEX`` (``SCD_STORE_SIGNING_KEY``)."""
+    key_id, sep, material = text.strip().partition(":")
     if not sep:
-        raise KeyringError("SCD_STORE_SIGNING_KEY must be 'key_id:secret' (hex or base64:...)")
-    return SigningKey(key_id.strip(), _secret(secret.strip(), "SCD_STORE_SIGNING_KEY"))
+        raise KeyringError(f"SCD_STORE_SIGNING_KEY must be 'key_id:{PRIVATE}HEX' or 'key_id:{PUBLIC}HEX'")
+    return _material(material.strip(), key_id.strip(), None, "SCD_STORE_SIGNING_KEY")
 
 
 class Keyring:
-    """The signing keys of this process, by space (``None``: every space without its own file)."""
+    """The keys of this process, by space (``None``: every space without its own file).
 
-    def __init__(self, path: str | os.PathLike[str] | None = None, inline: SigningKey | None = None, *,
-                 reload_s: float = 5.0) -> None:
+    ``on_error(message)`` is called for each failed reload (a file that does not parse, or is gone)."""
+
+    def __init__(self, path: str | os.PathLike[str] | None = None, inline: Key | None = None, *,
+                 reload_s: float = 5.0, on_error: Callable[[str], None] | None = None) -> None:
         self.path = Path(path) if path is not None else None
         self.inline = inline
         self.reload_s = reload_s
-        self._keys: dict[str | None, tuple[SigningKey, ...]] = {}
+        self.on_error = on_error
+        self._keys: dict[str | None, tuple[Key, ...]] = {}
         self._stamp: tuple = ()
-        self._checked = 0.0
+        self._failed_stamp: tuple | None = None
+        self._checked = time.monotonic()
         if self.path is not None and not self.path.exists():
             raise KeyringError(f"signing_keys {self.path} does not exist")
-        self._load()
+        self._keys, self._stamp = self._read()
 
     @classmethod
     def from_env(cls, path: str | None, env: Mapping[str, str]) -> Keyring | None:
@@ -128,39 +214,96 @@ class Keyring:
             return None
         return cls(path or None, parse_inline_key(inline) if inline else None)
 
+    @property
+    def can_sign(self) -> bool:
+        """Whether this keyring holds any private key (a producer's); readers hold public keys only."""
+        return any(isinstance(k, SigningKey) for keys in self._keys.values() for k in keys)
+
     def _files(self) -> list[Path]:
         if self.path is None:
             return []
-        return sorted(self.path.glob("*.keys")) if self.path.is_dir() else [self.path]
+        if self.path.is_dir():
+            return sorted(self.path.glob("*.keys"))
+        if not self.path.exists():
+            raise FileNotFoundError(f"signing_keys {self.path} is gone")
+        return [self.path]
 
-    def _load(self) -> None:
+    def _read(self) -> tuple[dict[str | None, tuple[Key, ...]], tuple]:
         files = self._files()
         stamp = tuple((str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in files)
-        if stamp == self._stamp and self._keys:
-            return
-        keys: dict[str | None, tuple[SigningKey, ...]] = {}
+        keys: dict[str | None, tuple[Key, ...]] = {}
         for f in files:
-            scope = None if (not self.path.is_dir() or f.name == DEFAULT_FILE) else f.name[:-len(".keys")]
+            scope = None if (self.path is None or not self.path.is_dir() or f.name == DEFAULT_FILE) \
+                else f.name[:-len(".keys")]
             keys[scope] = parse_key_file(f.read_text(), str(f))
         if self.inline is not None:
             keys[None] = (self.inline, *keys.get(None, ()))
-        self._keys, self._stamp = keys, stamp
+        return keys, stamp
 
-    def _current(self, space_id: str) -> tuple[SigningKey, ...]:
+    def reload(self) -> None:
+        """Re-read the key files if they changed: a file that does not parse keeps the keys read before, a
+        path that is gone drops them (both logged and reported to ``on_error``)."""
+        if self.path is None:
+            return
+        try:
+            files = self._files()
+            stamp = tuple((str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in files)
+            if stamp == self._stamp:
+                return
+            self._keys, self._stamp = self._read()
+            self._failed_stamp = None
+        except FileNotFoundError as exc:
+            self._fail(("gone",), f"{exc}: its keys no longer sign or verify", drop=True)
+        except (OSError, KeyringError) as exc:
+            with contextlib.suppress(OSError):
+                stamp = tuple((str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in self._files())
+            self._fail(stamp, f"reloading signing keys failed, keeping the keys read before: {exc}", drop=False)
+
+    def _fail(self, stamp: tuple, message: str, *, drop: bool) -> None:
+        if drop:
+            self._keys = {None: (self.inline,)} if self.inline is not None else {}
+            self._stamp = ()
+        if stamp != self._failed_stamp:  # once per state of the files
+            self._failed_stamp = stamp
+            log.warning("scd-store: %s", message)
+            if self.on_error is not None:
+                self.on_error(message)
+
+    def _current(self, space_id: str) -> tuple[Key, ...]:
         now = time.monotonic()
         if self.path is not None and now - self._checked >= self.reload_s:
             self._checked = now
-            with contextlib.suppress(OSError, KeyringError):  # a half-written key file: keep the keys read before
-                self._load()
+            self.reload()
         keys = self._keys.get(space_id)
         return keys if keys is not None else self._keys.get(None, ())
 
     def signer(self, space_id: str) -> SigningKey | None:
-        """The key that signs ``space_id``'s blobs now (None: this keyring holds none for it)."""
+        """The private key that signs ``space_id``'s blobs now (None: this keyring holds none for it)."""
         now = time.time()
-        return next((k for k in self._current(space_id) if k.valid(now)), None)
+        return next((k for k in self._current(space_id) if isinstance(k, SigningKey) and k.valid(now)), None)
 
-    def verifier(self, space_id: str, key_id: str) -> SigningKey | None:
-        """The still valid key ``key_id`` of ``space_id``, or None."""
+    def verifier(self, space_id: str, key_id: str) -> VerifyKey | None:
+        """The still valid public key ``key_id`` of ``space_id``, or None."""
         now = time.time()
-        return next((k for k in self._current(space_id) if k.key_id == key_id and k.valid(now)), None)
+        for k in self._current(space_id):
+            if k.key_id == key_id and k.valid(now):
+                return k.public if isinstance(k, SigningKey) else k
+        return None
+
+
+def write_key_file(path: Path, lines: list[str], *, private: bool, append: bool = False) -> None:
+    """Write (or, with ``append``, extend) a key file atomically; private files are created mode 0600."""
+    old = path.read_text() if append and path.exists() else ""
+    if not append and path.exists():
+        raise KeyringError(f"{path} exists: pass --append to add a key to it (rotation)")
+    text = old + ("" if not old or old.endswith("\n") else "\n") + "".join(line + "\n" for line in lines)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if private else 0o644)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

@@ -32,7 +32,21 @@ COUNTERS: dict[str, str] = {
     "quarantined_blobs": "bad blobs deleted: by a producer (the keys readers reported in shared tiers) or by a "
                          "reader from this host's tiers",
     "repaired_blobs": "bad blobs in a shared tier a producer rewrote from a good copy in its own tiers",
-    "unsigned_puts": "producer chunks not stored because the keyring held no valid key for their space",
+    "unsigned_puts": "producer chunks not stored because the keyring held no valid private key for their space",
+    "keyring_errors": "key file reloads that failed: a file that no longer parses (its old keys stay) or is gone "
+                      "(its keys no longer sign or verify)",
+    "oversized_writes": "blobs larger than a tier's max_value_bytes: never written there (nothing is owed)",
+    "unsafe_files": "disk tier entries that are no regular file (symlinks, FIFOs, devices) or larger than its "
+                    "bound: a miss, removed",
+    "ttl_refreshes": "blob TTLs a producer refreshed from the hits its readers reported",
+    "refused_reports": "reported keys (hits or bad blobs) outside the reporter's space generation, or malformed: "
+                       "ignored",
+    "refilled_chunks": "chunks a producer's engine served from its own prefix cache that the store had lost: "
+                       "stored again",
+    "ignored_model_tags": "requests whose model tag named another model than the engine's own: the tag is ignored "
+                          "(roles come from the engine)",
+    "salted_chunks": "chunks of requests with a cache_salt on a path that cannot keep salts apart: neither "
+                     "stored nor served",
     "revoked_requests": "requests of models whose space or pair the registry no longer holds (revoked): a miss",
     "registry_refreshes": "times the registry's version changed and its cached answers were re-read",
     "rejected_blobs": "promotions a lower tier's queue had no room for (nothing is owed)",

@@ -21,10 +21,12 @@ import contextlib
 import logging
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
-from scd_store.store.blob import BlobMeta, Section, encode_blob
+from scd_store.store.blob import BlobMeta, encode_blob
 from scd_store.store.guard import TierGuard
 from scd_store.store.keys import validate_chunk_size
+from scd_store.store.log_once import LogOnce
 from scd_store.store.loop import LoopThread
 from scd_store.store.read_path import ReadPath
 from scd_store.store.records import NotRegistered, Pair, RegistryError, Space
@@ -84,9 +86,12 @@ class TieredStore:
         self._repair_task: asyncio.Task[None] | None = None
         self._spaces: dict[tuple[str, str, str], Space | None] = {}  # None: revoked
         self._pairs: dict[tuple[str, str, str], tuple[Pair, Space] | None] = {}
-        self._unsigned_warned: set[str] = set()
+        self._once = LogOnce(log)
         for tier in self.tiers:
             tier.set_evict_listener(self._on_evict)
+            tier.attach(keyring=keyring, count=lambda name, n, t=tier.name: self.stats.inc(name, n, tier=t))
+        # the registry's version checks get a thread of their own: no tier's I/O can hold revocation up
+        self._registry_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scd-store-registry")
         self._loop = LoopThread()
         self.read = ReadPath(self.tiers, self.guard, self.stats, self._loop, self.write_behind, keyring)
         self._closed = False
@@ -94,6 +99,7 @@ class TieredStore:
             self._loop.run(self._start(), timeout=max(30.0, op_timeout_s))
         except BaseException:
             self._loop.stop()
+            self._registry_executor.shutdown(wait=False, cancel_futures=True)
             raise
 
     # ----------------------------------------------------------------- lifecycle
@@ -108,7 +114,8 @@ class TieredStore:
             self._mirror_task = asyncio.ensure_future(self._sink_loop())
         if self.registry_refresh_s > 0:
             try:  # before any answer is cached: a change from here on is seen
-                seen: int | None = await asyncio.get_running_loop().run_in_executor(None, self.registry.version)
+                seen: int | None = await asyncio.get_running_loop().run_in_executor(self._registry_executor,
+                                                                                    self.registry.version)
             except Exception:  # noqa: BLE001 - an unreachable registry: the first successful read sets it
                 seen = None
             self._registry_task = asyncio.ensure_future(self._registry_loop(seen))
@@ -125,6 +132,7 @@ class TieredStore:
         with contextlib.suppress(Exception):
             self._loop.run(self._stop(deadline), timeout=deadline + 10.0)
         self._loop.stop()
+        self._registry_executor.shutdown(wait=False, cancel_futures=True)
         if self.unwritten:
             log.warning("scd-store: closed with blobs some tiers never got (%s): they are in the tiers above only",
                         ", ".join(f"{name}: {n}" for name, n in sorted(self.unwritten.items())))
@@ -195,9 +203,9 @@ class TieredStore:
         while True:
             await asyncio.sleep(self.registry_refresh_s)
             try:
-                version = await loop.run_in_executor(None, self.registry.version)
+                version = await loop.run_in_executor(self._registry_executor, self.registry.version)
                 if version != seen:  # None: the registry was unreachable at start, its answers are re-read
-                    await loop.run_in_executor(None, self.refresh_registry)
+                    await loop.run_in_executor(self._registry_executor, self.refresh_registry)
                     self.stats.inc("registry_refreshes")
                 seen = version
             except Exception as exc:  # noqa: BLE001 - an unreachable registry keeps the answers it gave
@@ -225,53 +233,68 @@ class TieredStore:
 
     # ----------------------------------------------------------------- the write
     def write(self, space: Space, keys: Sequence[str], payloads: Sequence[bytes], token_counts: Sequence[int],
-              codec_id: str, layer_roles: tuple[str, ...] = (), code_dtypes: tuple[str, ...] = (),
-              bit_widths: tuple[int, ...] = (), sections: Sequence[Sequence[Section]] | None = None) -> list[str]:
+              codec_id: str) -> list[str]:
         """Blobs for ``payloads`` under ``keys``: the top tier now, the lower ones through the write-behind.
 
-        Called by :class:`ProducerView` (whose space the registry authorised); returns the keys written."""
+        Called by :class:`ProducerView` (whose space the registry authorised); returns the keys the top tier
+        holds now. Every blob not returned is counted: ``unsigned_puts`` (no key), ``oversized_writes`` (over a
+        tier's ``max_value_bytes``), or ``dropped_writes`` / ``lost_writes`` (the top tier failed)."""
         t0 = time.perf_counter()
         if not len(keys) == len(payloads) == len(token_counts):
             raise ValueError(f"{len(keys)} keys, {len(payloads)} payloads and {len(token_counts)} token counts "
                              "must match")
-        if sections is not None and len(sections) != len(payloads):
-            raise ValueError("sections must give one tuple per payload")
         signer = None
         if self.keyring is not None:
             signer = self.keyring.signer(space.space_id)
             if signer is None:
                 self.stats.inc("unsigned_puts", len(keys), space=space.space_id)
-                if space.space_id not in self._unsigned_warned:
-                    self._unsigned_warned.add(space.space_id)
-                    log.warning("scd-store: the keyring holds no valid signing key for space %s: not storing its "
-                                "codes (counted as unsigned_puts; logged once)", space.space_id)
+                self._once.warn(f"unsigned:{space.space_id}", "scd-store: the keyring holds no valid private key for "
+                                "space %s: not storing its codes (counted as unsigned_puts; logged once)",
+                                space.space_id)
                 return []
-        items = []
-        for i, payload in enumerate(payloads):
-            meta = BlobMeta(codec_id, space.fingerprint, int(token_counts[i]), layer_roles, code_dtypes, bit_widths,
-                            tuple(sections[i]) if sections is not None else ())
-            items.append((keys[i], encode_blob(meta, payload, key=keys[i], signer=signer)))
+        items = [(key, encode_blob(BlobMeta(codec_id, space.fingerprint, int(count)), payload, key=key, signer=signer))
+                 for key, payload, count in zip(keys, payloads, token_counts, strict=True)]
         if not items:
             return []
-        nbytes = sum(len(v) for _, v in items)
         top = self.tiers[0]
+        fits = [item for item in items if top.accepts(len(item[1]))]
+        if len(fits) < len(items):
+            self.oversized(top, len(items) - len(fits), space.space_id)
+        stored = self._put_top(top, fits, space.space_id)
+        if len(self.tiers) > 1:
+            self._loop.run(self.write_behind.enqueue(items, space.space_id), timeout=self.put_timeout_s + 5.0)
+        self.stats.inc("puts", len(stored), space=space.space_id)
+        self.stats.observe("put", time.perf_counter() - t0)
+        return stored
+
+    def _put_top(self, top: Tier, items: list[tuple[str, bytes]], space_id: str) -> list[str]:
+        """Write ``items`` to the top tier; the keys it holds now (a failure is counted as lost there)."""
+        if not items:
+            return []
         if isinstance(top, LocalTier):
             try:
                 top.put_many_now(items)
                 self.health[top.name].succeeded()
-                self.stats.inc("bytes_written", nbytes, tier=top.name, space=space.space_id)
+                ok = True
             except Exception as exc:
                 self.guard.failed(top, exc)
+                ok = False
         else:
-            ok = self._loop.run(self.guard.call(top, "put", lambda: top.put_many(items), False, True),
+            ok = self._loop.run(self.guard.call(top, "put", lambda: top.put_many(items), False, success=True),
                                 timeout=self.guard.timeouts[top.name] + 5.0)
-            if ok:
-                self.stats.inc("bytes_written", nbytes, tier=top.name, space=space.space_id)
-        if len(self.tiers) > 1:
-            self._loop.run(self.write_behind.enqueue(items, space.space_id), timeout=self.put_timeout_s + 5.0)
-        self.stats.inc("puts", len(items), space=space.space_id)
-        self.stats.observe("put", time.perf_counter() - t0)
+        if not ok:  # nothing above it to re-sync from
+            self.stats.inc("dropped_writes", len(items), tier=top.name, space=space_id)
+            self.stats.inc("lost_writes", len(items), tier=top.name, space=space_id)
+            return []
+        self.stats.inc("bytes_written", sum(len(v) for _, v in items), tier=top.name, space=space_id)
         return [k for k, _ in items]
+
+    def oversized(self, tier: Tier, count: int, space_id: str) -> None:
+        """Count blobs larger than ``tier`` takes (``oversized_writes``; logged once per tier)."""
+        self.stats.inc("oversized_writes", count, tier=tier.name, space=space_id)
+        self._once.warn(f"oversized:{tier.name}", "scd-store: blobs larger than tier %s's max_value_bytes (%s) are "
+                        "not written there (counted as oversized_writes; logged once)", tier.name,
+                        tier.max_value_bytes)
 
     # ----------------------------------------------------------------- stats
     async def _sink_loop(self) -> None:

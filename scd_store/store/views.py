@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from scd_store.store.blob import BlobMeta, Section
+from scd_store.store.blob import BlobMeta
 from scd_store.store.keys import hash_keys
 from scd_store.store.records import Pair, Space
 
@@ -49,12 +49,11 @@ class ProducerView:
         self.space = space
         self.producer_model_id = producer_model_id
 
-    def put(self, hashes: Sequence[bytes], payloads: Sequence[bytes], token_counts: Sequence[int], *, codec_id: str,
-            layer_roles: Sequence[str] = (), code_dtypes: Sequence[str] = (), bit_widths: Sequence[int] = (),
-            sections: Sequence[Sequence[Section]] | None = None) -> list[str]:
-        """Store one payload per chunk hash (16 bytes each), covering ``token_counts`` tokens; returns the keys."""
-        return self.store.write(self.space, self.keys(hashes), payloads, token_counts,
-                                codec_id, tuple(layer_roles), tuple(code_dtypes), tuple(bit_widths), sections)
+    def put(self, hashes: Sequence[bytes], payloads: Sequence[bytes], token_counts: Sequence[int], *,
+            codec_id: str) -> list[str]:
+        """Store one payload per chunk hash (16 bytes each), covering ``token_counts`` tokens; returns the keys
+        stored (the top tier holds them; the lower ones get them through the write-behind)."""
+        return self.store.write(self.space, self.keys(hashes), payloads, token_counts, codec_id)
 
     def keys(self, hashes: Sequence[bytes]) -> list[str]:
         """The store keys of ``hashes`` in this space generation."""

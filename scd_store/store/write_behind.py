@@ -7,7 +7,9 @@ stayed full, the tier is down, the write failed) is counted in ``dropped_writes`
 remembered (up to ``resync_keys`` per tier): once the tier takes writes again, a re-sync reads those
 blobs back from the top tier and writes them (``resynced_writes``). A blob that can no longer be
 re-synced (forgotten past ``resync_keys``, gone from the top tier, or still pending at close) is
-counted in ``lost_writes``. :meth:`stop` drains within a deadline and reports what it could not write.
+counted in ``lost_writes``, as are batches still being written when :meth:`stop` gives up (it drains
+within a deadline and reports what it could not write). A blob larger than a tier's
+``max_value_bytes`` is never offered to it (``oversized_writes``).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class WriteBehind:
         self._writers = list(writers)
         self._queues: dict[str, asyncio.Queue[Item]] = {}
         self._missed: dict[str, OrderedDict[str, None]] = {t.name: OrderedDict() for t in self.tiers}
+        self._inflight: dict[str, dict[int, list[str]]] = {t.name: {} for t in self.tiers}  # batches being written
         self._tasks: list[asyncio.Task[None]] = []
 
     # ----------------------------------------------------------------- lifecycle (on the store's loop)
@@ -83,9 +86,12 @@ class WriteBehind:
         unwritten: dict[str, int] = {}
         for name, queue in self._queues.items():
             keys = list(self._missed[name])
+            for batch in self._inflight[name].values():  # cut off mid-write: not known to be there
+                keys.extend(batch)
             while not queue.empty():
                 keys.append(queue.get_nowait()[0])
             self._missed[name].clear()
+            self._inflight[name].clear()
             if keys:
                 unwritten[name] = len(keys)
                 self._count("lost_writes", name, keys)
@@ -100,23 +106,37 @@ class WriteBehind:
         """Queue ``items`` for every lower tier, waiting up to ``put_timeout_s`` in all for room (not at
         all for a tier that is down: its blobs are remembered for the re-sync at once)."""
         deadline = time.monotonic() + self.put_timeout_s
-        for name, queue in self._queues.items():
+        for tier in self.tiers:
+            name, queue = tier.name, self._queues[tier.name]
+            fits = self._fitting(tier, items, space_id)
             if self.guard.health[name].down:
-                self._drop(name, [k for k, _ in items])
+                self._drop(name, [k for k, _ in fits])
                 continue
-            for n, item in enumerate(items):
+            for n, item in enumerate(fits):
                 try:
                     await asyncio.wait_for(queue.put(item), max(0.0, deadline - time.monotonic()))
                 except TimeoutError:
                     log.warning("store tier %s write queue full for %.1f s: %d blobs left for its re-sync", name,
-                                self.put_timeout_s, len(items) - n)
-                    self._drop(name, [k for k, _ in items[n:]])
+                                self.put_timeout_s, len(fits) - n)
+                    self._drop(name, [k for k, _ in fits[n:]])
                     break
+
+    def _fitting(self, tier: Tier, items: list[Item], space_id: str) -> list[Item]:
+        """The items ``tier`` takes; the rest are counted as ``oversized_writes`` (never owed to it)."""
+        fits = [item for item in items if tier.accepts(len(item[1]))]
+        if len(fits) < len(items):
+            self.stats.inc("oversized_writes", len(items) - len(fits), tier=tier.name, space=space_id)
+            log.debug("store tier %s: %d blobs over its max_value_bytes not written", tier.name,
+                      len(items) - len(fits))
+        return fits
 
     def offer_nowait(self, tier_name: str, items: list[Item], space_id: str) -> None:
         """Queue ``items`` for one tier if there is room now (promotions: nothing is owed). Call on the loop."""
         queue = self._queues[tier_name]
+        tier = next(t for t in self.tiers if t.name == tier_name)
         for item in items:
+            if not tier.accepts(len(item[1])):
+                continue
             try:
                 queue.put_nowait(item)
             except asyncio.QueueFull:
@@ -145,7 +165,10 @@ class WriteBehind:
 
     # ----------------------------------------------------------------- writers and re-sync
     async def _write(self, tier: Tier, batch: list[Item]) -> bool:
-        ok = await self.guard.call(tier, "put", lambda: tier.put_many(batch), False, True)
+        inflight = self._inflight[tier.name]
+        inflight[id(batch)] = [k for k, _ in batch]
+        ok = await self.guard.call(tier, "put", lambda: tier.put_many(batch), False, success=True)
+        inflight.pop(id(batch), None)  # a cancellation leaves the batch here: stop() counts it unwritten
         if ok:
             per_space: dict[str, int] = {}
             for key, value in batch:

@@ -94,7 +94,7 @@ def test_revoke_command(tmp_path, capsys):
     registry = FileRegistry(tmp_path / "reg.json")
     version = registry.version()
     assert main(["revoke", "tiny-space/consumer-a", "--store-config", str(config)]) == 0
-    assert "revoked tiny-space/consumer-a@v2." in capsys.readouterr().out
+    assert "revoked tiny-space/consumer-a@v3." in capsys.readouterr().out
     assert [p.consumer_model_id for p in registry.pairs()] == ["consumer-b"] and registry.version() > version
     assert main(["revoke", "tiny-space", "--fingerprint", "not-this-one", "--store-config", str(config)]) == 1
     assert main(["revoke", "tiny-space", "--store-config", str(config)]) == 0  # the space and its last pair

@@ -45,7 +45,7 @@ def test_stable_across_input_types() -> None:
 def test_key_format_and_parse() -> None:
     generation = generation_of("fp-1")
     keys = hash_keys("space.1", generation, chunk_hashes(list(range(512))))
-    assert len(keys) == 2 and generation.startswith("v2.") and len(generation) == 19
+    assert len(keys) == 2 and generation.startswith("v3.") and len(generation) == 19
     for key in keys:
         space, gen, hex_ = parse_key(key)
         assert key == f"scd:space.1:{generation}:{hex_}" and space == "space.1" and len(hex_) == 32
@@ -57,7 +57,7 @@ def test_generations_never_share_keys() -> None:
     """Two bundle generations of a space (and two blob formats) key the same chunk differently."""
     hashes = chunk_hashes(list(range(256)))
     old, new = (hash_keys("sp", generation_of(fp), hashes) for fp in ("fp-old", "fp-new"))
-    assert old != new and hash_keys("sp", generation_of("fp-old", version=3), hashes) != old
+    assert old != new and hash_keys("sp", generation_of("fp-old", version=2), hashes) != old
     with pytest.raises(KeyError_):
         hash_keys("sp", "fp-old", hashes)  # a fingerprint is not a generation
 

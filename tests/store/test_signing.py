@@ -1,7 +1,9 @@
-"""Signed blobs: keyrings, tags over key + body, rotation, and the store refusing what does not verify."""
+"""Signed blobs: Ed25519 keyrings, signatures over key + body, rotation, reloads, and the store refusing
+what does not verify (a reader holds public keys only, so it cannot sign)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 
@@ -15,48 +17,60 @@ from scd_store.store.tiers.cpu import CpuTier
 from scd_store.store.tiers.disk import DiskTier
 from tests.store.conftest import HASHES, PAYLOADS, put_all
 
-OLD, NEW, ATTACKER = "11" * 32, "22" * 32, "33" * 32
+OLD, NEW, ATTACKER = (SigningKey(name, bytes([n]) * 32) for n, name in ((1, "k1"), (2, "k2"), (3, "k1")))
 META = BlobMeta("raw", "space-fp", 4)
 KEY_A, KEY_B = hash_keys("space-a", generation_of("space-fp"), HASHES[:2])
 
 
-def keyring(tmp_path, text: str, name: str = "default.keys") -> Keyring:
-    (tmp_path / "keys").mkdir(exist_ok=True)
-    (tmp_path / "keys" / name).write_text(text)
+def keyring(tmp_path, *lines: str, name: str = "default.keys") -> Keyring:
+    (tmp_path / "keys").mkdir(parents=True, exist_ok=True)
+    path = tmp_path / "keys" / name
+    path.write_text("".join(line + "\n" for line in lines))
+    stamp = time.time() + len(lines)  # a rewrite within the same mtime tick is still seen
+    os.utime(path, (stamp, stamp))
     return Keyring(tmp_path / "keys", reload_s=0)
 
 
+def public(key: SigningKey) -> str:
+    assert key.public is not None
+    return key.public.line()
+
+
 def test_key_files_parse_and_refuse_bad_lines(tmp_path) -> None:
-    keys = parse_key_file(f"# rotation\nk2 {NEW}\nk1 {OLD} until=2026-01-01T00:00:00Z\n", "f")
+    keys = parse_key_file(f"# rotation\n{NEW.line()}\n{public(OLD)} until=2026-01-01T00:00:00Z\n", "f")
     assert [k.key_id for k in keys] == ["k2", "k1"] and keys[1].until == 1767225600.0
-    assert parse_key_file("k base64:" + "A" * 24, "f")[0].secret == bytes(18)
-    for bad in (f"k {OLD} {OLD}", "k nothex", "k 00ff", f"k {OLD}\nk {NEW}", f"bad:id {OLD}", f"k {OLD} until=soon"):
+    assert isinstance(keys[0], SigningKey) and not isinstance(keys[1], SigningKey)
+    hmac_line = "k1 " + "11" * 32  # the old shared-secret format: refused, with the way out
+    with pytest.raises(KeyringError, match="scd-store keys new"):
+        parse_key_file(hmac_line, "f")
+    for bad in (f"{OLD.line()} {OLD.line()}", "k ed25519-public:nothex", "k ed25519-public:00ff",
+                f"{OLD.line()}\n{public(OLD)}", f"bad:id ed25519-public:{'00' * 32}", f"{OLD.line()} until=soon",
+                f"{OLD.line()} until=nan", f"{OLD.line()} until=inf", f"{OLD.line()} until=-5"):
         with pytest.raises(KeyringError):
             parse_key_file(bad, "f")
-    assert parse_inline_key(f"env1:{OLD}").key_id == "env1"
+    assert parse_inline_key(f"env1:ed25519-private:{'01' * 32}").key_id == "env1"
     with pytest.raises(KeyringError):
-        parse_inline_key(OLD)
+        parse_inline_key("01" * 32)
     with pytest.raises(KeyringError, match="does not exist"):
         Keyring(tmp_path / "nowhere")
 
 
 def test_per_space_files_win_over_the_default(tmp_path) -> None:
-    ring = keyring(tmp_path, f"shared {OLD}\n")
-    (tmp_path / "keys" / "space-b.keys").write_text(f"own {NEW}\n")
-    ring = Keyring(tmp_path / "keys", reload_s=0)
-    assert ring.signer("space-a").key_id == "shared" and ring.signer("space-b").key_id == "own"
-    assert ring.verifier("space-b", "shared") is None
-    env = Keyring.from_env(None, {"SCD_STORE_SIGNING_KEY": f"inline:{NEW}"})
+    keyring(tmp_path, OLD.line())
+    ring = keyring(tmp_path, NEW.line(), name="space-b.keys")
+    assert ring.signer("space-a").key_id == "k1" and ring.signer("space-b").key_id == "k2"
+    assert ring.verifier("space-b", "k1") is None
+    env = Keyring.from_env(None, {"SCD_STORE_SIGNING_KEY": f"inline:ed25519-private:{'05' * 32}"})
     assert env is not None and env.signer("anything").key_id == "inline"
     assert Keyring.from_env(None, {}) is None
 
 
 def test_signed_round_trip_and_every_defect(tmp_path) -> None:
-    ring = keyring(tmp_path, f"k1 {OLD}\n")
+    ring = keyring(tmp_path, OLD.line())
     data = encode_blob(META, PAYLOADS[0], key=KEY_A, signer=ring.signer("space-a"))
     blob = decode_blob(data, key=KEY_A, space_id="space-a", keyring=ring, expect_space_fingerprint="space-fp")
     assert bytes(blob.payload) == PAYLOADS[0]
-    for i in range(len(data)):  # every flipped byte, tag and key id included
+    for i in range(len(data)):  # every flipped byte, signature and key id included
         bad = bytearray(data)
         bad[i] ^= 0x01
         with pytest.raises(BlobError):
@@ -68,39 +82,75 @@ def test_signed_round_trip_and_every_defect(tmp_path) -> None:
         decode_blob(data, key=KEY_B, space_id="space-a", keyring=ring)
     with pytest.raises(SignatureError, match="unsigned"):
         decode_blob(encode_blob(META, PAYLOADS[0]), key=KEY_A, space_id="space-a", keyring=ring)
-    forged = encode_blob(META, PAYLOADS[0], key=KEY_A, signer=SigningKey("k1", bytes.fromhex(ATTACKER)))
+    forged = encode_blob(META, PAYLOADS[0], key=KEY_A, signer=ATTACKER)  # the real key id, another private key
     with pytest.raises(SignatureError):
         decode_blob(forged, key=KEY_A, space_id="space-a", keyring=ring)
-    stranger = encode_blob(META, PAYLOADS[0], key=KEY_A, signer=SigningKey("k9", bytes.fromhex(ATTACKER)))
+    stranger = encode_blob(META, PAYLOADS[0], key=KEY_A, signer=SigningKey("k9", bytes([3]) * 32))
     with pytest.raises(SignatureError, match="does not hold"):
         decode_blob(stranger, key=KEY_A, space_id="space-a", keyring=ring)
     assert bytes(decode_blob(data).payload) == PAYLOADS[0]  # framing only, for tools without keys
 
 
+def test_a_reader_holds_public_keys_only_and_cannot_sign(tmp_path) -> None:
+    """The consumer's attack on shared secrets: with HMAC any reader could sign what others accept."""
+    producer = keyring(tmp_path / "p", OLD.line())
+    reader = keyring(tmp_path / "r", public(OLD))
+    assert producer.can_sign and not reader.can_sign
+    assert reader.signer("space-a") is None  # nothing to sign with
+    genuine = encode_blob(META, PAYLOADS[0], key=KEY_A, signer=producer.signer("space-a"))
+    assert bytes(decode_blob(genuine, key=KEY_A, space_id="space-a", keyring=reader).payload) == PAYLOADS[0]
+    # all a reader knows is the public key: a blob "signed" with it as a seed is refused by every reader
+    assert OLD.public is not None
+    fake = SigningKey("k1", OLD.public.public)
+    with pytest.raises(SignatureError):
+        decode_blob(encode_blob(META, b"kv", key=KEY_A, signer=fake), key=KEY_A, space_id="space-a", keyring=reader)
+
+
 def test_rotation_accepts_old_and_new_for_a_window(tmp_path) -> None:
-    ring = keyring(tmp_path, f"k1 {OLD}\n")
+    ring = keyring(tmp_path, OLD.line())
     old_blob = encode_blob(META, PAYLOADS[0], key=KEY_A, signer=ring.signer("space-a"))
-    keyring(tmp_path, f"k2 {NEW}\nk1 {OLD} until={time.time() + 60:.0f}\n")  # step 2: new key signs, old verifies
+    keyring(tmp_path, NEW.line(), f"{public(OLD)} until={time.time() + 60:.0f}")  # new key signs, old verifies
     assert ring.signer("space-a").key_id == "k2"
     new_blob = encode_blob(META, PAYLOADS[0], key=KEY_A, signer=ring.signer("space-a"))
     for data in (old_blob, new_blob):
         decode_blob(data, key=KEY_A, space_id="space-a", keyring=ring)
-    keyring(tmp_path, f"k2 {NEW}\nk1 {OLD} until={time.time() - 1:.0f}\n")  # the window is over
+    keyring(tmp_path, NEW.line(), f"{public(OLD)} until={time.time() - 1:.0f}")  # the window is over
     with pytest.raises(SignatureError):
         decode_blob(old_blob, key=KEY_A, space_id="space-a", keyring=ring)
     decode_blob(new_blob, key=KEY_A, space_id="space-a", keyring=ring)
 
 
-def test_a_half_written_key_file_keeps_the_keys_read_before(tmp_path) -> None:
-    ring = keyring(tmp_path, f"k1 {OLD}\n")
-    (tmp_path / "keys" / "default.keys").write_text("k1 12")
-    os.utime(tmp_path / "keys" / "default.keys", (time.time() + 5, time.time() + 5))
+def test_a_key_file_that_stops_parsing_keeps_its_keys_logged_and_counted(tmp_path, caplog) -> None:
+    errors: list[str] = []
+    ring = keyring(tmp_path, OLD.line())
+    ring.on_error = errors.append
+    path = tmp_path / "keys" / "default.keys"
+    path.write_text("k1 12")
+    os.utime(path, (time.time() + 9, time.time() + 9))
     assert ring.signer("space-a").key_id == "k1"
+    assert ring.signer("space-a").key_id == "k1"
+    assert len(errors) == 1 and "keeping the keys read before" in errors[0]  # once per state of the file
+    assert "keeping the keys read before" in caplog.text
+
+
+def test_a_deleted_key_file_fails_closed(tmp_path) -> None:
+    errors: list[str] = []
+    (tmp_path / "one.keys").write_text(OLD.line() + "\n")
+    ring = Keyring(tmp_path / "one.keys", reload_s=0, on_error=errors.append)
+    blob = encode_blob(META, PAYLOADS[0], key=KEY_A, signer=ring.signer("space-a"))
+    (tmp_path / "one.keys").unlink()
+    assert ring.signer("space-a") is None
+    with pytest.raises(SignatureError):
+        decode_blob(blob, key=KEY_A, space_id="space-a", keyring=ring)
+    assert len(errors) == 1 and "gone" in errors[0]
+    (tmp_path / "one.keys").write_text(OLD.line() + "\n")  # back: the keys work again
+    assert ring.signer("space-a").key_id == "k1"
+    decode_blob(blob, key=KEY_A, space_id="space-a", keyring=ring)
 
 
 @pytest.fixture
 def signed_store(tmp_path, registry):
-    ring = keyring(tmp_path, f"k1 {OLD}\n")
+    ring = keyring(tmp_path, OLD.line())
     st = TieredStore([CpuTier(1 << 20), DiskTier(tmp_path / "disk", 4 << 20)], registry, chunk_size=4,
                      put_timeout_s=5.0, keyring=ring)
     yield st
@@ -112,11 +162,9 @@ def test_the_store_signs_and_serves_only_what_verifies(signed_store) -> None:
     signed_store.flush()
     consumer = signed_store.consumer("pair-a", "consumer-m", "space-fp")
     assert [bytes(c.payload) for c in consumer.get(HASHES)] == PAYLOADS
-    forged = encode_blob(META, b"attacker kv", key=keys[1], signer=SigningKey("k1", bytes.fromhex(ATTACKER)))
-    import asyncio
-
-    # the disk (a directory other local users may write) is verified; this process's memory holds only
-    # blobs it wrote or verified, so its tag is not checked again there
+    forged = encode_blob(META, b"attacker kv", key=keys[1], signer=ATTACKER)
+    # the disk (a directory other processes share) is verified; this process's memory holds only blobs
+    # it wrote or verified, so their signature is not checked again there
     signed_store.tiers[0].delete_now(keys[1])
     asyncio.run(signed_store.tiers[1].put(keys[1], forged))
     chunks = consumer.get(HASHES)
@@ -126,8 +174,15 @@ def test_the_store_signs_and_serves_only_what_verifies(signed_store) -> None:
 
 
 def test_a_producer_without_a_key_for_its_space_stores_nothing(tmp_path, registry) -> None:
-    (tmp_path / "keys").mkdir()
-    (tmp_path / "keys" / "space-b.keys").write_text(f"k1 {OLD}\n")
-    with TieredStore([CpuTier(1 << 20)], registry, chunk_size=4, keyring=Keyring(tmp_path / "keys")) as st:
+    ring = keyring(tmp_path, OLD.line(), name="space-b.keys")
+    with TieredStore([CpuTier(1 << 20)], registry, chunk_size=4, keyring=ring) as st:
         assert put_all(st) == []
         assert st.stats.value("unsigned_puts") == 6 and st.tiers[0].usage().items == 0
+
+
+def test_a_reader_process_stores_nothing_it_could_sign(tmp_path, registry) -> None:
+    """A consumer's keyring (public keys only) cannot sign even if its process tried to write."""
+    ring = keyring(tmp_path, public(OLD))
+    with TieredStore([CpuTier(1 << 20)], registry, chunk_size=4, keyring=ring) as st:
+        assert put_all(st) == []
+        assert st.stats.value("unsigned_puts") == 6

@@ -26,9 +26,9 @@ def test_unregistered_consumer_gets_clear_error(store) -> None:
 
 def test_producer_view_and_mismatched_payloads(store, consumer) -> None:
     view = store.producer("space-a", "producer-m", "space-fp")
-    view.put(HASHES[:2], PAYLOADS[:2], [4, 4], codec_id="raw", layer_roles=("reuse",), bit_widths=(4,))
+    view.put(HASHES[:2], PAYLOADS[:2], [4, 4], codec_id="raw")
     assert view.contains(HASHES) == 2
-    assert consumer.get(HASHES)[0].meta.bit_widths == (4,)
+    assert consumer.get(HASHES)[0].meta.codec_id == "raw"
     with pytest.raises(ValueError, match="6 keys, 7 payloads and 6 token counts must match"):
         view.put(HASHES, PAYLOADS + [b"x"], [4] * 6, codec_id="raw")
 

@@ -10,10 +10,15 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from scd_store.store.tiers.lru import ByteLRU
 
+if TYPE_CHECKING:
+    from scd_store.store.signing import Keyring
+
 EvictListener = Callable[[str, str, int], None]  # (tier name, key, bytes)
+Counter = Callable[[str, int], None]  # (counter name, amount): the store's stats, labelled with this tier
 
 
 class TierError(RuntimeError):
@@ -36,10 +41,28 @@ class Tier(ABC):
     local: bool = False
     shared: bool = False  # other hosts' processes read it (Redis, peers): readers never delete there
     expires: bool = False  # blobs have a TTL that verified hits refresh (touch_many)
+    max_value_bytes: int | None = None  # the largest blob the tier stores (None: no bound of its own)
 
     def __init__(self, name: str | None = None) -> None:
         self.name = name or self.kind
         self._on_evict: EvictListener | None = None
+        self._counter: Counter | None = None
+        self.keyring: Keyring | None = None
+
+    def attach(self, *, keyring: Keyring | None, count: Counter | None) -> None:
+        """Called by the store before :meth:`start`: its keyring (for a tier that signs what it publishes or
+        verifies what it is told) and where the tier's own counters go (``count(name, amount)``)."""
+        self.keyring = keyring
+        self._counter = count
+
+    def _count(self, counter: str, amount: int = 1) -> None:
+        """Add to one of the store's counters (:data:`scd_store.store.stats.COUNTERS`) under this tier."""
+        if self._counter is not None and amount:
+            self._counter(counter, amount)
+
+    def accepts(self, nbytes: int) -> bool:
+        """Whether a blob of ``nbytes`` fits this tier (larger ones are counted, never silently dropped)."""
+        return self.max_value_bytes is None or nbytes <= self.max_value_bytes
 
     def set_evict_listener(self, listener: EvictListener | None) -> None:
         """Called as ``listener(tier_name, key, nbytes)`` for every eviction the tier makes by itself."""

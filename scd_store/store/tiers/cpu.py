@@ -26,6 +26,7 @@ class CpuTier(LruTier):
         super().__init__(name)
         self.pinned = bool(pinned) and _cuda_available()
         self._lru: ByteLRU[object] = ByteLRU(max_bytes, self._size_of, self._evicted)
+        self.max_value_bytes = max_bytes
         self.rejected_too_large = 0
 
     @staticmethod

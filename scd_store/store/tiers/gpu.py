@@ -25,6 +25,7 @@ class GpuTier(LruTier):
         self._torch = torch
         self.device = torch.device(device)
         self._lru: ByteLRU[object] = ByteLRU(max_bytes, lambda t: t.numel(), self._evicted)
+        self.max_value_bytes = max_bytes
 
     def get_tensor(self, key: str):  # noqa: ANN201 - torch.Tensor | None
         return self._lru.get(key)

@@ -37,6 +37,7 @@ class PeerTier(Tier):
             raise ValueError("publish_bytes must be >= 0 and read_timeout_s > 0")
         self.directory = directory
         self.publish_bytes = publish_bytes
+        self.max_value_bytes = publish_bytes or None
         self.transfer = transfer
         self.read_timeout_s = read_timeout_s
         self.source: BlobSource | None = None

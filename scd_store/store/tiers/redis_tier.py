@@ -44,7 +44,7 @@ class RedisTier(Tier):
             raise ValueError(f"redis tier ttl_s must be > 0 or None, got {ttl_s}")
         self.ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
         self.expires = self.ttl_ms is not None
-        self.max_value_bytes = max_value_bytes
+        self.max_value_bytes: int | None = max_value_bytes
         self.server_maxmemory = server_maxmemory
         self.maxmemory_policy = maxmemory_policy
         self._timeouts = (socket_timeout, connect_timeout)
