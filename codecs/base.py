@@ -25,16 +25,21 @@ class Codec(ABC):
 
     @abstractmethod
     def decode(self, payload: bytes | torch.Tensor, *, device: torch.device | str = "cpu",
-               dtype: torch.dtype = torch.float32) -> KVState:
+               dtype: torch.dtype = torch.float32, expect_tokens: int | None = None) -> KVState:
         """Rebuild KV from ``payload`` (bytes, or a 1-D uint8 tensor on any device); raises
-        :class:`PayloadError` on a payload it cannot trust."""
+        :class:`PayloadError` on a payload it cannot trust. ``expect_tokens`` (e.g. the token count of
+        the blob header the payload came in): a payload of another token count is refused as soon as
+        its header is read, before anything sized by its count is allocated (:func:`check_tokens`)."""
 
-    def decode_into(self, payload: bytes | torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> KVState:
+    def decode_into(self, payload: bytes | torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                    expect_tokens: int | None = None) -> KVState:
         """:meth:`decode` straight into ``keys`` / ``values`` ``[layers, kv_heads, tokens, head_dim]`` (any
         strides: an engine's buffers, on their device in their dtype); returns a state over them.
-        Raises :class:`PayloadError` when the payload holds another number of tokens than they do.
-        This default decodes and copies; codecs that can write in place override it."""
-        state = self.decode(payload, device=keys.device, dtype=keys.dtype)
+        Raises :class:`PayloadError` when the payload holds another number of tokens than they do (or
+        than ``expect_tokens``; without it, the buffers' token count is expected). This default decodes
+        and copies; codecs that can write in place override it."""
+        state = self.decode(payload, device=keys.device, dtype=keys.dtype,
+                            expect_tokens=buffer_tokens(keys, expect_tokens))
         check_buffers(state.keys.shape, keys, values)
         keys.copy_(state.keys)
         values.copy_(state.values)
@@ -46,6 +51,20 @@ class Codec(ABC):
     def decode_batch(self, payloads: list[bytes], *, device: torch.device | str = "cpu",
                      dtype: torch.dtype = torch.float32) -> list[KVState]:
         return [self.decode(p, device=device, dtype=dtype) for p in payloads]
+
+
+def check_tokens(tokens: int, expect_tokens: int | None) -> None:
+    """Raise :class:`PayloadError` when a payload's header claims ``tokens`` tokens and the caller was
+    told ``expect_tokens`` (None: no expectation). Codecs call it right after parsing the header."""
+    if expect_tokens is not None and tokens != expect_tokens:
+        raise PayloadError(f"payload claims {tokens} tokens, {expect_tokens} were expected: refused before decoding")
+
+
+def buffer_tokens(keys: torch.Tensor, expect_tokens: int | None) -> int | None:
+    """``expect_tokens``, or the token count of ``[layers, kv_heads, tokens, head_dim]`` buffers without it."""
+    if expect_tokens is None and keys.dim() == 4:
+        return keys.shape[2]
+    return expect_tokens
 
 
 def check_buffers(shape: tuple[int, ...], keys: torch.Tensor, values: torch.Tensor) -> None:

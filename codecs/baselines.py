@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from scd_store.codecs.base import Codec
+from scd_store.codecs.base import Codec, check_tokens
 from scd_store.codecs.group_quant import Quantized, dequantize, quantize
 from scd_store.codecs.kv_state import KVState
-from scd_store.codecs.tensor_pack import PayloadError, pack, unpack
+from scd_store.codecs.tensor_pack import PayloadError, json_int, pack, unpack
 
 
 class RawCodec(Codec):
@@ -26,12 +26,18 @@ class RawCodec(Codec):
     def encode(self, state: KVState) -> bytes:
         return pack(self.codec_id, {}, {"keys": state.keys.to(self.dtype), "values": state.values.to(self.dtype)})
 
-    def decode(self, payload: bytes | torch.Tensor, *, device="cpu", dtype=torch.float32) -> KVState:
+    def decode(self, payload: bytes | torch.Tensor, *, device="cpu", dtype=torch.float32,
+               expect_tokens: int | None = None) -> KVState:
         _, _, tensors = unpack(payload, self.codec_id)
         try:
             keys, values = tensors["keys"], tensors["values"]
+            if keys.dim() != 4 or keys.shape != values.shape:
+                raise PayloadError(f"raw payload holds keys {tuple(keys.shape)} and values {tuple(values.shape)}")
+            check_tokens(keys.shape[2], expect_tokens)  # before converting: that allocates
             return KVState(keys.to(device=device, dtype=dtype), values.to(device=device, dtype=dtype))
         except (KeyError, ValueError) as exc:
+            if isinstance(exc, PayloadError):
+                raise
             raise PayloadError(f"raw payload does not hold valid KV: {exc}") from None
 
 
@@ -57,18 +63,25 @@ class KiviCodec(Codec):
             "v_codes": v.codes, "v_scale": v.scale, "v_offset": v.offset,
         })
 
-    def decode(self, payload: bytes | torch.Tensor, *, device="cpu", dtype=torch.float32) -> KVState:
+    def decode(self, payload: bytes | torch.Tensor, *, device="cpu", dtype=torch.float32,
+               expect_tokens: int | None = None) -> KVState:
         _, meta, t = unpack(payload, self.codec_id)
         try:
-            shape = [int(s) for s in meta["shape"]]
-            if int(meta["bits"]) != self.bits or len(shape) != 4:
+            shape = meta["shape"]
+            if not isinstance(shape, list) or len(shape) != 4 or json_int(meta["bits"], "bits") != self.bits:
                 raise ValueError("bit width or shape mismatch")
+            shape = [json_int(s, f"{self.codec_id} payload dimension") for s in shape]
+            if min(shape) < 0:
+                raise ValueError(f"negative dimension in {shape}")
+            check_tokens(shape[self.KEY_AXIS], expect_tokens)  # before dequantising: that allocates
             keys = dequantize(Quantized(t["k_codes"], t["k_scale"], t["k_offset"]), self.KEY_AXIS,
                               shape[self.KEY_AXIS], self.bits, 4)
             values = dequantize(Quantized(t["v_codes"], t["v_scale"], t["v_offset"]), self.VALUE_AXIS,
                                 shape[self.VALUE_AXIS], self.bits, 4)
             if list(keys.shape) != shape or list(values.shape) != shape:
                 raise ValueError(f"decoded shapes {tuple(keys.shape)} / {tuple(values.shape)} != {shape}")
-        except (KeyError, ValueError, RuntimeError, TypeError) as exc:
+        except (KeyError, IndexError, ValueError, RuntimeError, TypeError) as exc:
+            if isinstance(exc, PayloadError):
+                raise
             raise PayloadError(f"{self.codec_id} payload is inconsistent: {exc}") from None
         return KVState(keys.to(device=device, dtype=dtype), values.to(device=device, dtype=dtype))

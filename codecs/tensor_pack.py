@@ -11,8 +11,9 @@ offset (from the start of the data section) and byte length. Each tensor starts 
 from __future__ import annotations
 
 import json
+import math
 import struct
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -21,6 +22,7 @@ VERSION = 1
 _PREFIX = struct.Struct("<4sHI")
 _ALIGN = 16
 _HEAD_PROBE = 4096  # bytes read first to find the header (one copy for a device payload)
+_MAX_DIMS = 8  # the most dimensions a tensor entry may declare (KIVI codes have 5)
 _DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -35,6 +37,41 @@ _NAMES = {v: k for k, v in _DTYPES.items()}
 
 class PayloadError(ValueError):
     """A payload is malformed, truncated, of another version or of another codec."""
+
+
+def _no_constant(name: str) -> NoReturn:
+    raise ValueError(f"JSON constant {name} is not a finite number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"JSON number {text[:40]} overflows a float")
+    return value
+
+
+def strict_json(data: str | bytes) -> Any:
+    """``json.loads`` that refuses ``NaN`` / ``Infinity`` and numbers overflowing a float (``1e400``) with
+    ``ValueError``; deep nesting raises ``RecursionError``. For JSON another process wrote."""
+    return json.loads(data, parse_constant=_no_constant, parse_float=_finite_float)
+
+
+def json_int(value: object, what: str, error: type[Exception] = PayloadError) -> int:
+    """``value`` when it is a JSON integer (not a bool, float or string), else ``error``: no coercion."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise error(f"{what} must be an integer, got {value!r:.40}")
+    return value
+
+
+def json_number(value: object, what: str, error: type[Exception] = PayloadError) -> float:
+    """``value`` as a float when it is a finite JSON number (an integer or a float, not a bool), else ``error``."""
+    try:
+        number = float(value) if isinstance(value, int | float) and not isinstance(value, bool) else math.nan
+    except OverflowError:  # an integer past the float range
+        number = math.nan
+    if not math.isfinite(number):
+        raise error(f"{what} must be a finite number, got {value!r:.40}")
+    return number
 
 
 def _pad(n: int) -> int:
@@ -52,7 +89,8 @@ def pack(codec_id: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) 
                         "offset": offset, "nbytes": len(data)})
         blobs.append(data + b"\0" * _pad(len(data)))
         offset += len(data) + _pad(len(data))
-    header = json.dumps({"codec": codec_id, "meta": meta, "tensors": entries}, separators=(",", ":")).encode()
+    header = json.dumps({"codec": codec_id, "meta": meta, "tensors": entries}, separators=(",", ":"),
+                        allow_nan=False).encode()  # what unpack reads back: no NaN / Infinity
     prefix = _PREFIX.pack(MAGIC, VERSION, len(header))
     head = prefix + header
     return head + b"\0" * _pad(len(head)) + b"".join(blobs)
@@ -91,9 +129,9 @@ def unpack(payload: bytes | bytearray | memoryview | torch.Tensor, codec_id: str
     if head_end > len(head):
         head = _read_head(payload, head_end)
     try:
-        header = json.loads(bytes(head[_PREFIX.size:head_end]))
+        header = strict_json(bytes(head[_PREFIX.size:head_end]))
         found_codec, meta, entries = header["codec"], header["meta"], header["tensors"]
-    except (ValueError, KeyError, TypeError, RecursionError) as exc:
+    except (ValueError, KeyError, TypeError, RecursionError, OverflowError) as exc:
         raise PayloadError(f"malformed header: {exc}") from None
     if not isinstance(found_codec, str) or not isinstance(meta, dict) or not isinstance(entries, list):
         raise PayloadError("malformed header: codec must be a string, meta an object, tensors a list")
@@ -104,9 +142,14 @@ def unpack(payload: bytes | bytearray | memoryview | torch.Tensor, codec_id: str
     end = base
     for entry in entries:
         try:
-            name, dtype = entry["name"], _DTYPES[entry["dtype"]]
-            shape = [int(s) for s in entry["shape"]]
-            start, nbytes = base + int(entry["offset"]), int(entry["nbytes"])
+            name, dtype, shape = entry["name"], _DTYPES[entry["dtype"]], entry["shape"]
+            if not isinstance(shape, list) or len(shape) > _MAX_DIMS:
+                raise PayloadError(f"a tensor shape must be a list of at most {_MAX_DIMS} integers")
+            shape = [json_int(s, "a tensor dimension") for s in shape]
+            start = base + json_int(entry["offset"], "a tensor offset")
+            nbytes = json_int(entry["nbytes"], "a tensor's byte count")
+        except PayloadError:
+            raise
         except (KeyError, TypeError, ValueError) as exc:
             raise PayloadError(f"malformed tensor entry: {exc}") from None
         if not isinstance(name, str) or name in tensors:

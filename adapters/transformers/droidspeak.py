@@ -21,7 +21,7 @@ from scd_store.adapters.transformers.compat import cache_kwarg
 from scd_store.adapters.transformers.inject import continue_with_prefix, mean_kl
 from scd_store.codecs.base import Codec
 from scd_store.codecs.kv_state import KVState
-from scd_store.codecs.tensor_pack import PayloadError, pack, unpack
+from scd_store.codecs.tensor_pack import PayloadError, json_int, pack, unpack
 
 CODEC_ID = "droidspeak"
 
@@ -93,14 +93,17 @@ class DroidSpeakCodec(Codec):
         meta = {"start": state.start, "group": [self.group.start, self.group.stop]}
         return pack(CODEC_ID, meta, tensors)
 
-    def decode(self, payload: bytes, *, device="cpu", dtype=torch.float32) -> KVState:
+    def decode(self, payload: bytes, *, device="cpu", dtype=torch.float32, expect_tokens: int | None = None
+               ) -> KVState:
         _, meta, t = unpack(payload, CODEC_ID)
         try:
             if list(meta["group"]) != [self.group.start, self.group.stop]:
                 raise PayloadError(f"payload recomputes layers {meta['group']}, this codec "
                                    f"[{self.group.start}, {self.group.stop})")
-            start = int(meta["start"])
+            start = json_int(meta["start"], "droidspeak start")
             keys_out, values_out, residual = t["keys"], t["values"], t["residual"]
+            if expect_tokens is not None and keys_out.dim() == 4 and keys_out.shape[2] != expect_tokens:
+                raise PayloadError(f"payload holds {keys_out.shape[2]} tokens; {expect_tokens} were expected")
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, PayloadError):
                 raise

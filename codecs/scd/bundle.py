@@ -15,6 +15,7 @@ import json
 import os
 from pathlib import Path
 
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from scd_store.codecs.scd.decoder import PairDecoder
@@ -22,6 +23,7 @@ from scd_store.codecs.scd.hidden import HiddenCode
 from scd_store.codecs.scd.layout import KVLayout
 from scd_store.codecs.scd.patch import PatchAligner
 from scd_store.codecs.scd.space import CodeSpace
+from scd_store.codecs.tensor_pack import json_int, strict_json
 
 FORMAT = "scd-bundle"
 FORMAT_VERSION = 1
@@ -33,15 +35,16 @@ class BundleError(ValueError):
 
 def _write_json(path: Path, data: dict) -> None:
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, allow_nan=False) + "\n")
     os.replace(tmp, path)
 
 
 def parse_manifest(text: str | bytes, kind: str, where: str = "manifest") -> dict:
-    """A manifest's JSON, checked: an object of this format, ``kind`` and version. Raises :class:`BundleError`."""
+    """A manifest's JSON, checked: an object of this format, ``kind`` and version. Raises :class:`BundleError`
+    (also on ``NaN`` / ``Infinity`` / overflowing numbers: :func:`~scd_store.codecs.tensor_pack.strict_json`)."""
     try:
-        manifest = json.loads(text)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        manifest = strict_json(text)
+    except (ValueError, UnicodeDecodeError, RecursionError, OverflowError) as exc:
         raise BundleError(f"{where}: not valid JSON ({exc})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("kind") != kind:
         raise BundleError(f"{where}: not an scd {kind} manifest")
@@ -56,10 +59,28 @@ def parse_manifest(text: str | bytes, kind: str, where: str = "manifest") -> dic
     return manifest
 
 
+def _text(manifest: dict, key: str, where: str) -> str:
+    value = manifest.get(key)
+    if not isinstance(value, str):
+        raise BundleError(f"{where}: {key} must be a string, got {value!r:.40}")
+    return value
+
+
+def _layers(values: object, where: str) -> list[int]:
+    """A manifest's list of layer indices (integers, no coercion)."""
+    if not isinstance(values, list):
+        raise BundleError(f"{where}: patch layers must be a list, got {values!r:.40}")
+    return [json_int(v, f"{where}: a patch layer", BundleError) for v in values]
+
+
 def _read_manifest(path: Path, kind: str) -> dict:
-    if not path.exists():
-        raise BundleError(f"no {kind} manifest at {path}")
-    return parse_manifest(path.read_bytes(), kind, str(path))
+    try:
+        text = path.read_bytes()
+    except FileNotFoundError:
+        raise BundleError(f"no {kind} manifest at {path}") from None
+    except OSError as exc:
+        raise BundleError(f"cannot read the {kind} manifest at {path}: {exc}") from None
+    return parse_manifest(text, kind, str(path))
 
 
 def read_space_manifest(bundle: Path) -> dict:
@@ -82,22 +103,28 @@ def save_space(bundle: Path, space: CodeSpace, extra: dict | None = None) -> Non
 
 def load_space(bundle: Path, producer_fingerprint: str | None = None) -> CodeSpace:
     """Load a code space; ``producer_fingerprint``, when given, must match the calibrated producer's."""
+    where = str(bundle / "space.json")
     manifest = _read_manifest(bundle / "space.json", "space")
-    if producer_fingerprint is not None and manifest["producer_fingerprint"] != producer_fingerprint:
-        raise BundleError(f"code space {manifest['space_id']} was calibrated for producer "
-                          f"{manifest['producer_fingerprint']}, not {producer_fingerprint}")
+    space_id, producer, content = (_text(manifest, key, where)
+                                   for key in ("space_id", "producer_fingerprint", "content_fingerprint"))
+    if producer_fingerprint is not None and producer != producer_fingerprint:
+        raise BundleError(f"code space {space_id} was calibrated for producer {producer}, not {producer_fingerprint}")
+    sink_tokens = json_int(manifest.get("sink_tokens"), f"{where}: sink_tokens", BundleError)
+    patch_layers = _layers(manifest.get("patch_layers", []), where)
+    layout = manifest.get("layout")
+    if not isinstance(layout, dict):
+        raise BundleError(f"{where}: layout must be an object")
     try:
         tensors = load_file(str(bundle / "space.safetensors"))
         hidden = None
-        if manifest.get("patch_layers"):
-            hidden = HiddenCode(tuple(manifest["patch_layers"]), tensors["hidden_mean"], tensors["hidden_basis"],
+        if patch_layers:
+            hidden = HiddenCode(tuple(patch_layers), tensors["hidden_mean"], tensors["hidden_basis"],
                                 tensors["hidden_sigma"], tensors["hidden_bits"])
-        space = CodeSpace(manifest["space_id"], KVLayout.from_dict(manifest["layout"]), tensors["mean"],
-                          tensors["basis"], tensors["sigma"], tensors["bits"], int(manifest["sink_tokens"]),
-                          manifest["producer_fingerprint"], hidden)
-    except (KeyError, OSError, TypeError, ValueError) as exc:
+        space = CodeSpace(space_id, KVLayout.from_dict(layout), tensors["mean"], tensors["basis"], tensors["sigma"],
+                          tensors["bits"], sink_tokens, producer, hidden)
+    except (KeyError, OSError, TypeError, ValueError, OverflowError, SafetensorError) as exc:
         raise BundleError(f"{bundle}: cannot load the code space: {exc}") from None
-    if space.fingerprint != manifest["content_fingerprint"]:
+    if space.fingerprint != content:
         raise BundleError(f"{bundle}: code space tensors do not match their manifest's content fingerprint")
     return space
 
@@ -121,22 +148,29 @@ def pair_names(bundle: Path) -> list[str]:
 
 def load_pair(bundle: Path, consumer: str, space: CodeSpace, consumer_fingerprint: str | None = None) -> PairDecoder:
     """Load one consumer's decoder; it must belong to ``space`` (and the given consumer weights)."""
-    manifest = _read_manifest(bundle / "pairs" / f"{consumer}.json", "pair")
-    if manifest["space_fingerprint"] != space.fingerprint:
+    path = bundle / "pairs" / f"{consumer}.json"
+    manifest = _read_manifest(path, "pair")
+    found_space, found_consumer, content = (_text(manifest, key, str(path))
+                                            for key in ("space_fingerprint", "consumer_fingerprint",
+                                                        "content_fingerprint"))
+    if found_space != space.fingerprint:
         raise BundleError(f"decoder of {consumer} was calibrated for another code space")
-    if consumer_fingerprint is not None and manifest["consumer_fingerprint"] != consumer_fingerprint:
+    if consumer_fingerprint is not None and found_consumer != consumer_fingerprint:
         raise BundleError(f"decoder of {consumer} was calibrated for consumer weights "
-                          f"{manifest['consumer_fingerprint']}, not {consumer_fingerprint}")
+                          f"{found_consumer}, not {consumer_fingerprint}")
+    patches = manifest.get("patches", [])
+    if not isinstance(patches, list) or not all(isinstance(p, dict) for p in patches):
+        raise BundleError(f"{path}: patches must be a list of objects")
+    layers = _layers([p.get("layer") for p in patches], str(path))
     try:
         tensors = load_file(str(bundle / "pairs" / f"{consumer}.safetensors"))
-        patches = [PatchAligner(int(p["layer"]), p["source"], **{
-            name: tensors[f"patch.{p['layer']}.{name}"]
+        aligners = [PatchAligner(layer, p.get("source"), **{
+            name: tensors[f"patch.{layer}.{name}"]
             for name in ("w_in", "b_in", "w_out", "k_proj", "v_proj", "k_bias", "v_bias")})
-            for p in manifest.get("patches", [])]
-        decoder = PairDecoder(consumer, manifest["space_fingerprint"], tensors["weight"], tensors["bias"],
-                              manifest["consumer_fingerprint"], patches)
-    except (KeyError, OSError, TypeError, ValueError) as exc:
+            for layer, p in zip(layers, patches, strict=True)]
+        decoder = PairDecoder(consumer, found_space, tensors["weight"], tensors["bias"], found_consumer, aligners)
+    except (KeyError, OSError, TypeError, ValueError, OverflowError, SafetensorError) as exc:
         raise BundleError(f"{bundle}: cannot load the decoder of {consumer}: {exc}") from None
-    if decoder.fingerprint != manifest["content_fingerprint"]:
+    if decoder.fingerprint != content:
         raise BundleError(f"{bundle}: decoder of {consumer} does not match its manifest's content fingerprint")
     return decoder

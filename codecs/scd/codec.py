@@ -142,27 +142,34 @@ class ScdCodec(Codec):
         return max(1, min(layers, _CPU_STEP_BYTES // max(1, per_layer))), span
 
     @torch.no_grad()
-    def decode(self, payload: bytes | torch.Tensor, *, device="cpu", dtype=torch.float32) -> KVState:
+    def decode(self, payload: bytes | torch.Tensor, *, device="cpu", dtype=torch.float32,
+               expect_tokens: int | None = None) -> KVState:
         """Rebuild the consumer's KV; ``payload`` is bytes or a uint8 tensor (a GPU tier's blob: no
-        host copy). On CUDA, REUSE decodes of up to ``graphs.max_tokens`` tokens replay a CUDA graph."""
+        host copy). On CUDA, REUSE decodes of up to ``graphs.max_tokens`` tokens replay a CUDA graph.
+        A payload of another token count than ``expect_tokens`` is refused before anything is allocated."""
         self._require_decoder()
         if self.graphs is not None and torch.device(device).type == "cuda":
             _, meta, tensors = unpack(payload, CODEC_ID)
+            self.space.counts(meta, expect_tokens)
             state = self.graphs.decode(meta, tensors, torch.device(device), dtype)
             if state is not None:
                 return state
             return self.decode_codes(self.space.codes_from(meta, tensors, device), device, dtype)
-        return self.decode_codes(self.space.unpack(payload, device=device), device, dtype)
+        return self.decode_codes(self.space.unpack(payload, device, expect_tokens), device, dtype)
 
     @torch.no_grad()
-    def decode_into(self, payload: bytes | torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> KVState:
+    def decode_into(self, payload: bytes | torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                    expect_tokens: int | None = None) -> KVState:
         """:meth:`decode` written straight into an engine's buffers (any strides; no copy, and no fresh
-        output pages: on a CPU those cost a long prefix more than the decode's maths). On CUDA this
-        runs eagerly (CUDA graphs own their output buffers)."""
+        output pages: on a CPU those cost a long prefix more than the decode's maths). The payload's token
+        count is checked against ``expect_tokens`` and the buffers' before its sections are unpacked. On
+        CUDA this runs eagerly (CUDA graphs own their output buffers)."""
         self._require_decoder()
-        codes = self.space.unpack(payload, device=keys.device)
+        _, meta, tensors = unpack(payload, CODEC_ID)
+        tokens = self.space.counts(meta, expect_tokens)[1]
         layout = self.space.layout
-        check_buffers((layout.num_layers, layout.kv_heads, codes.num_tokens, layout.head_dim), keys, values)
+        check_buffers((layout.num_layers, layout.kv_heads, tokens, layout.head_dim), keys, values)
+        codes = self.space.codes_from(meta, tensors, keys.device)
         return self.decode_codes(codes, keys.device, keys.dtype, out=(keys, values))
 
     def _require_decoder(self) -> None:

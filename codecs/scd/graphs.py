@@ -37,7 +37,8 @@ class _CapturedDecode:
         self.cos = torch.empty(coded, half, device=device)
         self.sin = torch.empty(coded, half, device=device)
         self.meta = dict(meta)
-        self.load(codec, tensors, int(meta["start"]) + int(meta["sinks"]))
+        start, _, sinks = codec.space.counts(meta)
+        self.load(codec, tensors, start + sinks)
 
         def run() -> KVState:
             codes = codec.space.codes_from(self.meta, self.inputs, device)

@@ -4,6 +4,7 @@ at the patch layers, in a calibrated basis per layer (the same transform coding 
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +24,9 @@ class HiddenCode:
     bits: torch.Tensor  # [P, D]
 
     def __post_init__(self) -> None:
-        self.layers = tuple(int(layer) for layer in self.layers)
+        if any(isinstance(layer, bool) for layer in self.layers):
+            raise ValueError(f"patch layers must be integers, got {self.layers}")
+        self.layers = tuple(operator.index(layer) for layer in self.layers)  # no float / string coercion
         p = len(self.layers)
         if p == 0 or len(set(self.layers)) != p or min(self.layers) < 0:
             raise ValueError(f"patch layers must be distinct non-negative indices, got {self.layers}")

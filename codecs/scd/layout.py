@@ -13,6 +13,7 @@ import torch
 
 from scd_store.codecs.kv_state import KVState
 from scd_store.codecs.scd.rope import RopeSpec, apply_rope, invert_rope, rope_cos_sin, rotate_into
+from scd_store.codecs.tensor_pack import json_int, json_number
 
 
 @dataclass(frozen=True, slots=True, repr=False)
@@ -48,8 +49,11 @@ class KVLayout:
 
     @classmethod
     def from_dict(cls, data: dict) -> KVLayout:
+        """The layout of :meth:`to_dict` (a manifest's): integers and finite numbers only, never coerced;
+        raises ``ValueError`` (or ``KeyError`` for a missing field)."""
         rope = data.get("rope")
-        return cls(int(data["num_layers"]), int(data["kv_heads"]), int(data["head_dim"]), float(data["rope_theta"]),
+        sizes = (json_int(data[name], f"layout {name}", ValueError) for name in ("num_layers", "kv_heads", "head_dim"))
+        return cls(*sizes, json_number(data["rope_theta"], "layout rope_theta", ValueError),
                    RopeSpec.from_dict(rope) if rope is not None else None)
 
     @property

@@ -13,6 +13,14 @@ from dataclasses import dataclass
 
 import torch
 
+from scd_store.codecs.tensor_pack import json_int, json_number
+
+
+def _list(value: object, what: str) -> list:
+    if not isinstance(value, list):
+        raise ValueError(f"RoPE {what} must be a list, got {value!r:.40}")
+    return value
+
 
 @dataclass(frozen=True, slots=True)
 class RopeSpec:
@@ -47,9 +55,15 @@ class RopeSpec:
 
     @classmethod
     def from_dict(cls, data: dict) -> RopeSpec:
-        freq = tuple(tuple(float(x) for x in f) for f in data["inv_freq"])
-        return cls(freq, tuple(float(s) for s in data["scaling"]), tuple(int(k) for k in data["layer_kinds"]),
-                   int(data.get("max_position", 0)))
+        """The spec of :meth:`to_dict` (a manifest's): finite numbers and integers only, never coerced;
+        raises ``ValueError`` (or ``KeyError`` for a missing field)."""
+        if not isinstance(data, dict):
+            raise ValueError("a RoPE spec must be an object")
+        freq = tuple(tuple(json_number(x, "a RoPE frequency", ValueError) for x in _list(f, "inv_freq"))
+                     for f in _list(data["inv_freq"], "inv_freq"))
+        scaling = tuple(json_number(s, "a RoPE scaling", ValueError) for s in _list(data["scaling"], "scaling"))
+        kinds = tuple(json_int(k, "a RoPE layer kind", ValueError) for k in _list(data["layer_kinds"], "layer_kinds"))
+        return cls(freq, scaling, kinds, json_int(data.get("max_position", 0), "RoPE max_position", ValueError))
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32, inverse: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from scd_store.codecs.base import check_tokens
 from scd_store.codecs.fingerprint import tensors_fingerprint
 from scd_store.codecs.kv_state import KVState
 from scd_store.codecs.scd.hidden import HiddenCode
@@ -21,7 +22,7 @@ from scd_store.codecs.scd.quantizer import (
     quantize,
     unpack_sorted,
 )
-from scd_store.codecs.tensor_pack import PayloadError, pack, unpack
+from scd_store.codecs.tensor_pack import PayloadError, json_int, pack, unpack
 
 CODEC_ID = "scd"
 
@@ -195,24 +196,26 @@ class CodeSpace:
                 "sinks": sinks}
         return pack(CODEC_ID, meta, tensors)
 
-    def unpack(self, payload: bytes | torch.Tensor, device: torch.device | str = "cpu") -> SpaceCodes:
+    def unpack(self, payload: bytes | torch.Tensor, device: torch.device | str = "cpu",
+               expect_tokens: int | None = None) -> SpaceCodes:
         """Parse a payload of this space (bytes, or a uint8 tensor on any device); raises
-        :class:`PayloadError` on any mismatch."""
+        :class:`PayloadError` on any mismatch (and on another token count than ``expect_tokens``)."""
         _, meta, t = unpack(payload, CODEC_ID)
-        return self.codes_from(meta, t, device)
+        return self.codes_from(meta, t, device, expect_tokens)
 
-    def counts(self, meta: dict) -> tuple[int, int, int]:
-        """``(start, tokens, sinks)`` of a payload's metadata, checked against this space."""
+    def counts(self, meta: dict, expect_tokens: int | None = None) -> tuple[int, int, int]:
+        """``(start, tokens, sinks)`` of a payload's metadata, checked against this space, its position
+        bound and ``expect_tokens`` (when given) before anything sized by them is allocated."""
         try:
             if meta["space"] != self.fingerprint:
-                raise PayloadError(f"payload belongs to code space {meta['space']}, not {self.fingerprint}")
+                raise PayloadError(f"payload belongs to code space {meta['space']!r:.80}, not {self.fingerprint}")
             if meta.get("packing") != PACKING:
-                raise PayloadError(f"payload codes are packed as {meta.get('packing')!r}; this build reads {PACKING!r}")
-            start, tokens, sinks = int(meta["start"]), int(meta["tokens"]), int(meta["sinks"])
-        except (KeyError, TypeError, ValueError) as exc:
-            if isinstance(exc, PayloadError):
-                raise
-            raise PayloadError(f"scd payload is inconsistent: {exc}") from None
+                raise PayloadError(f"payload codes are packed as {meta.get('packing')!r:.80}; this build reads "
+                                   f"{PACKING!r}")
+            start, tokens, sinks = (json_int(meta[key], f"scd payload {key}") for key in ("start", "tokens", "sinks"))
+        except (KeyError, TypeError) as exc:
+            raise PayloadError(f"scd payload is inconsistent: {exc!r:.120}") from None
+        check_tokens(tokens, expect_tokens)
         if start < 0 or tokens < sinks or sinks != max(0, min(self.sink_tokens - start, tokens)):
             raise PayloadError("payload token counts are inconsistent")
         if start + tokens > self.max_positions:
@@ -220,10 +223,11 @@ class CodeSpace:
                                f"{self.max_positions} (the engine's context length): refused before decoding")
         return start, tokens, sinks
 
-    def codes_from(self, meta: dict, t: dict[str, torch.Tensor], device: torch.device | str = "cpu") -> SpaceCodes:
-        """:meth:`unpack` after the container is parsed: check ``meta`` and unpack the sections on
-        ``device`` (no host round trip once the header is read, so a CUDA graph can capture it)."""
-        start, tokens, sinks = self.counts(meta)
+    def codes_from(self, meta: dict, t: dict[str, torch.Tensor], device: torch.device | str = "cpu",
+                   expect_tokens: int | None = None) -> SpaceCodes:
+        """:meth:`unpack` after the container is parsed: check ``meta`` (:meth:`counts`) and unpack the
+        sections on ``device`` (no host round trip once the header is read, so a CUDA graph can capture it)."""
+        start, tokens, sinks = self.counts(meta, expect_tokens)
         coded = tokens - sinks
         try:
             plan, hidden_plan = self._plans

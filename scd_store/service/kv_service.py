@@ -251,12 +251,13 @@ class KVService:
             buffers = into(i, chunk.token_count) if into is not None else None
             if into is not None and buffers is None:
                 break
-            try:
+            try:  # the blob header's token count (bounded by the store) bounds the decode before it allocates
                 if buffers is None:  # no copy: unpack takes views
-                    state = binding.codec.decode(chunk.payload, device=device, dtype=dtype)
+                    state = binding.codec.decode(chunk.payload, device=device, dtype=dtype,
+                                                 expect_tokens=chunk.token_count)
                 else:
-                    state = binding.codec.decode_into(chunk.payload, *buffers)
-                if state.num_tokens != chunk.token_count:
+                    state = binding.codec.decode_into(chunk.payload, *buffers, expect_tokens=chunk.token_count)
+                if state.num_tokens != chunk.token_count:  # a second line of defence
                     raise PayloadError(f"it decodes to {state.num_tokens} tokens; its header says {chunk.token_count}")
             except PayloadError as exc:
                 self.store.stats.inc("refused_chunks", tier=chunk.tier, space=binding.space.space_id,
