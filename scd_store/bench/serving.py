@@ -28,6 +28,7 @@ from scd_store.models.prepare import model_dir
 from scd_store.service import KVService
 from scd_store.store.build import open_store
 from scd_store.store.config import load_config
+from scd_store.store.host_keys import deployment_keys
 from scd_store.store.keys import chunk_hashes
 
 CHUNK = 256
@@ -61,16 +62,24 @@ class Deployment:
             tiers.append({"kind": "redis", "url": self.redis_url})
         else:
             tiers.append({"kind": "disk", "path": str(self.root / "disk"), "max_bytes": "2GiB"})
-            config["registry_path"] = str(self.root / "disk" / "registry.json")
+            config["registry_path"] = str(self.root / "registry.json")
+        # the producer signs with the private key; consumers (and this process, a reader) hold the public one
+        private, public = deployment_keys(self.root / "keys")
         self.store_yaml = self.root / "store.yaml"
-        self.store_yaml.write_text(yaml.safe_dump({"tiers": tiers, **config}))
+        self.store_yaml.write_text(yaml.safe_dump({"tiers": tiers, **config, "signing_keys": str(public)}))
+        self.producer_yaml = self.root / "producer-store.yaml"
+        self.producer_yaml.write_text(yaml.safe_dump({"tiers": tiers, **config, "signing_keys": str(private)}))
         self.raw_dir = self.root / "raw"
 
     def start(self, timeout: float = 600.0) -> Deployment:
         """Start every server (their start-ups overlap) and wait until all serve."""
-        kv = multi_config(scd_connector_config([self.bundle], self.store_yaml),
-                          raw_reuse_config(self.raw_dir, self.producer, CHUNK))
-        specs = [ServerSpec(model_dir(self.producer), self.producer, kv, max_model_len=self.max_model_len)]
+        def kv_config(store_yaml: Path) -> dict:
+            return multi_config(scd_connector_config([self.bundle], store_yaml),
+                                raw_reuse_config(self.raw_dir, self.producer, CHUNK))
+
+        kv = kv_config(self.store_yaml)
+        specs = [ServerSpec(model_dir(self.producer), self.producer, kv_config(self.producer_yaml),
+                            max_model_len=self.max_model_len)]
         specs += [ServerSpec(model_dir(name), name, kv, max_model_len=self.max_model_len, prefix_caching=False)
                   for name in self.consumers]
         try:

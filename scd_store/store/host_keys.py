@@ -44,3 +44,21 @@ def host_keyring(directory: str | os.PathLike[str], *, on_error: Callable[[str],
                 os.unlink(tmp)
     check_owner_only(path, os.stat(path), "the host private key", unreadable=True)
     return Keyring(path, on_error=on_error)
+
+
+def deployment_keys(directory: str | os.PathLike[str], key_id: str = "deployment") -> tuple[Path, Path]:
+    """A private and a public key file under ``directory`` (made once): for tools that start a whole
+    deployment on one machine (the demo, the benches). Producers get the private file, readers the public one."""
+    from scd_store.store.signing import write_key_file
+
+    directory = private_dir(directory, "the deployment's key directory")
+    private, public = Path(directory) / "private.keys", Path(directory) / "public.keys"
+    if not (private.exists() and public.exists()):
+        key = SigningKey.generate(key_id)
+        assert key.public is not None
+        for path in (private, public):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        write_key_file(private, [key.line()], private=True)
+        write_key_file(public, [key.public.line()], private=False)
+    return private, public

@@ -107,9 +107,11 @@ def demo_bundle(config: DemoConfig, producer: LoadedModel, consumers: list[Loade
 
 def demo_store_config(config: DemoConfig) -> StoreConfig:
     root = Path(config.store_dir) if config.store_dir else data_dir() / "demo-store"
-    if config.redis_url:
+    if config.redis_url:  # a shared tier: the demo (producer and consumers in one process) signs its codes
+        from scd_store.store.host_keys import deployment_keys
+
         tiers = (TierConfig("cpu", max_bytes="256MiB"), TierConfig("redis", url=config.redis_url))
-        return StoreConfig(tiers=tiers, chunk_size=DEMO_CHUNK)
+        return StoreConfig(tiers=tiers, chunk_size=DEMO_CHUNK, signing_keys=str(deployment_keys(root / "keys")[0]))
     tiers = (TierConfig("cpu", max_bytes="256MiB"), TierConfig("disk", path=str(root / "disk"), max_bytes="2GiB"))
     return StoreConfig(tiers=tiers, chunk_size=DEMO_CHUNK, registry_path=str(root / "registry.json"))
 
