@@ -1,6 +1,8 @@
 """Least-privilege roles against a real redis-server with the documented ACL users (scd_store.store.redis_acl):
-the operator registers and revokes, the producer writes and quarantines its own space, the consumer only
-reads; signed blobs; bad blobs are never deleted by readers; TTLs refresh on hits."""
+the operator registers and revokes, the producer writes and quarantines its own space only and records only its
+own space's canary, the consumer only reads (no command it may run deletes, expires or writes a blob); signed
+blobs (the producer holds the private key, the consumer the public one). The reports readers make and the
+producer takes (hits, suspects) are in test_redis_reports.py."""
 
 from __future__ import annotations
 
@@ -8,14 +10,15 @@ import time
 
 import pytest
 import redis
+from redis.exceptions import NoPermissionError
 
 from integration_tests.redis_servers import RedisServer
 from scd_store.service import KVService, ServiceError
 from scd_store.service.bundles import register_bundle
-from scd_store.store.blob import BlobMeta, encode_blob
+from scd_store.store.keys import generation_of, make_key
 from scd_store.store.redis_acl import acl_setuser
 from scd_store.store.registry import RedisRegistry
-from scd_store.store.signing import Keyring, SigningKey
+from scd_store.store.signing import Keyring, SigningKey, write_key_file
 from scd_store.store.tiered import TieredStore
 from scd_store.store.tiers.cpu import CpuTier
 from scd_store.store.tiers.redis_tier import RedisTier
@@ -24,6 +27,10 @@ from tests.store.test_registry import check_generations_and_revocation
 
 HASHES = [bytes([i + 1]) * 16 for i in range(3)]
 TTL_S = 60.0
+USERS = {"operator": ("scd-operator", "op-pw", None),
+         "producer": ("scd-producer-tiny-space", "prod-pw", "tiny-space"),
+         "other": ("scd-producer-other-space", "other-pw", "other-space"),  # another space's producer
+         "consumer": ("scd-consumer", "cons-pw", None)}
 
 
 def chunks(count: int = 3, size: int = 8):
@@ -37,19 +44,19 @@ def chunks(count: int = 3, size: int = 8):
 def deployment(tmp_path):
     bundle = tmp_path / "bundle"
     write_tiny_bundle(bundle, consumers=("consumer-a",))
-    (tmp_path / "keys").write_text(f"k1 {'ab' * 32}\n")
+    key = SigningKey.generate("k1")
+    assert key.public is not None
+    write_key_file(tmp_path / "private.keys", [key.line()], private=True)  # the producer's
+    write_key_file(tmp_path / "public.keys", [key.public.line()], private=False)  # the consumer's
     with RedisServer(tmp_path / "redis") as server:
-        users = {"operator": acl_setuser("operator", "scd-operator", "op-pw"),
-                 "producer": acl_setuser("producer", "scd-producer-tiny-space", "prod-pw", "tiny-space"),
-                 "consumer": acl_setuser("consumer", "scd-consumer", "cons-pw")}
-        for line in users.values():
+        for role, (user, password, space) in USERS.items():
+            line = acl_setuser("producer" if role == "other" else role, user, password, space)
             assert server.cli(*line).strip() == "OK"
         base = f"127.0.0.1:{server.port}/0"
-        urls = {"operator": f"redis://scd-operator:op-pw@{base}",
-                "producer": f"redis://scd-producer-tiny-space:prod-pw@{base}",
-                "consumer": f"redis://scd-consumer:cons-pw@{base}"}
+        urls = {role: f"redis://{user}:{password}@{base}" for role, (user, password, _) in USERS.items()}
         admin = redis.Redis(host="127.0.0.1", port=server.port)
-        yield {"bundle": bundle, "urls": urls, "admin": admin, "keyring": tmp_path / "keys", "tmp": tmp_path}
+        yield {"bundle": bundle, "urls": urls, "admin": admin, "server": server, "key": key,
+               "keyrings": {"producer": tmp_path / "private.keys", "consumer": tmp_path / "public.keys"}}
         admin.close()
 
 
@@ -57,7 +64,7 @@ def service_for(deployment, role: str, models: tuple[str, ...], **kwargs) -> KVS
     url = deployment["urls"][role]
     tiers = [CpuTier(1 << 20)] if role == "producer" else []  # the producer's own copy repairs Redis
     store = TieredStore([*tiers, RedisTier(url, ttl_s=TTL_S)], RedisRegistry(url), chunk_size=8, op_timeout_s=2.0,
-                        keyring=Keyring(deployment["keyring"]), registry_refresh_s=0.1, repair_s=0)
+                        keyring=Keyring(deployment["keyrings"][role]), registry_refresh_s=0.1, repair_s=0)
     try:
         return KVService(store, [deployment["bundle"]], models=models, discovery_interval_s=0, **kwargs)
     except BaseException:
@@ -67,6 +74,24 @@ def service_for(deployment, role: str, models: tuple[str, ...], **kwargs) -> KVS
 
 def as_user(deployment, role: str) -> redis.Redis:
     return redis.Redis.from_url(deployment["urls"][role])
+
+
+def refused(client: redis.Redis, *command: str | bytes) -> None:
+    """The real server refuses ``command`` to ``client``'s user (NOPERM), whatever its arguments."""
+    with pytest.raises(NoPermissionError):
+        client.execute_command(*command)
+
+
+def started(deployment) -> tuple[KVService, KVService, list[str]]:
+    """The operator registers the bundle; a producer and a consumer service; the producer's three blobs stored."""
+    operator = RedisRegistry(deployment["urls"]["operator"])
+    register_bundle(deployment["bundle"], operator, chunk_size=8)
+    operator.close()
+    producer = service_for(deployment, "producer", (PRODUCER,), register_bundles=False)
+    consumer = service_for(deployment, "consumer", ("consumer-a",), register_bundles=False)
+    assert producer.put(PRODUCER, HASHES, chunks()) == 3
+    producer.drain(10)
+    return producer, consumer, producer._producer(producer.binding(PRODUCER)).keys(HASHES)
 
 
 def test_each_role_does_its_job_and_nothing_else(deployment):
@@ -82,67 +107,109 @@ def test_each_role_does_its_job_and_nothing_else(deployment):
         assert all(deployment["admin"].exists(k) for k in keys)
         assert len(consumer.get("consumer-a", HASHES)) == 3
         assert consumer.store.stats.value("tier_errors") == 0
-        # the consumer's user may read, never write or delete a blob, nor touch the registry
-        reader = as_user(deployment, "consumer")
-        for attempt in (lambda: reader.set(keys[0], b"x"), lambda: reader.delete(keys[0]),
-                        lambda: reader.hset("scd:__registry__:spaces", "x", "y"),
-                        lambda: reader.hsetnx("scd:__registry__:pairs", "x", "y")):
-            with pytest.raises(redis.exceptions.NoPermissionError):
-                attempt()
-        # nor may the producer write another space or the registry's records
-        writer = as_user(deployment, "producer")
-        for attempt in (lambda: writer.set(keys[0].replace("tiny-space", "other-space"), b"x"),
-                        lambda: writer.hset("scd:__registry__:pairs", "x", "y")):
-            with pytest.raises(redis.exceptions.NoPermissionError):
-                attempt()
-        reader.close(), writer.close()
     finally:
         producer.close(), consumer.close()
         operator.close()
 
 
-def test_readers_never_delete_and_the_producer_quarantines(deployment):
-    register_bundle(deployment["bundle"], RedisRegistry(deployment["urls"]["operator"]), chunk_size=8)
-    producer = service_for(deployment, "producer", (PRODUCER,))  # records already there: nothing written
-    consumer = service_for(deployment, "consumer", ("consumer-a",), register_bundles=False)
-    admin = deployment["admin"]
+def test_a_consumer_can_neither_delete_nor_expire_nor_write_a_blob(deployment):
+    """PEXPIRE key 0 (or a negative TTL) deleted any blob with the old recipe: now every command that could
+    change a blob is refused to the consumer, and the blob is left whole with its TTL."""
+    producer, consumer, keys = started(deployment)
+    admin, reader = deployment["admin"], as_user(deployment, "consumer")
+    key = keys[0]
+    blob = admin.get(key)
+    gen = key.split(":")[2]
     try:
-        producer.put(PRODUCER, HASHES, chunks())
-        producer.drain(10)
-        keys = producer._producer(producer.binding(PRODUCER)).keys(HASHES)
-        good = admin.get(keys[1])
-        forged = encode_blob(BlobMeta("scd-reuse", producer.binding(PRODUCER).space.fingerprint, 8), b"kv" * 100,
-                             key=keys[1], signer=SigningKey("k1", b"\x01" * 32))
-        admin.set(keys[1], forged)
-        assert len(consumer.get("consumer-a", HASHES)) == 1  # a miss from the forged chunk on
-        stats = consumer.store.stats
-        assert stats.value("bad_signatures") == 1 and stats.value("tier_errors") == 0
-        assert admin.get(keys[1]) == forged  # the reader left it (and could not have deleted it)
-        admin.set(keys[2], good)  # a genuine blob moved to another chunk's key
-        assert len(consumer.get("consumer-a", HASHES)) == 1 and stats.value("bad_signatures") == 1 + 2
-        # the reader reported both keys; the producer verifies them itself, deletes and rewrites them
-        suspects = admin.hkeys(f"scd:__stats__:suspects:tiny-space:{keys[0].split(':')[2]}")
-        assert sorted(k.decode() for k in suspects) == sorted(keys[1:])
-        assert producer.store.repair_now() == (2, 2)
-        assert admin.get(keys[1]) == good and admin.get(keys[2]) != good
-        assert producer.store.stats.value("repaired_blobs") == 2
+        for command in (("PEXPIRE", key, "0"), ("PEXPIRE", key, "-1"), ("PEXPIRE", key, "1"), ("EXPIRE", key, "0"),
+                        ("EXPIRE", key, "-5"), ("PEXPIREAT", key, "1"), ("EXPIREAT", key, "1"), ("PERSIST", key),
+                        ("DEL", key), ("UNLINK", key), ("GETDEL", key), ("GETEX", key, "PX", "1"),
+                        ("SET", key, "x"), ("SET", key, "x", "KEEPTTL"), ("SETRANGE", key, "0", "x"),
+                        ("APPEND", key, "x"), ("RENAME", key, key + "0"), ("COPY", key, key + "0"),
+                        ("HSET", key, "f", "v"), ("EVAL", "return redis.call('del', KEYS[1])", "1", key),
+                        ("FLUSHALL",), ("CONFIG", "SET", "maxmemory", "1")):
+            refused(reader, *command)
+        # nor the registry, a canary, or the reports it cannot delete from (HDEL: only a producer takes reports)
+        for command in (("HSET", "scd:__registry__:spaces", "x", "y"), ("HSETNX", "scd:__registry__:pairs", "x", "y"),
+                        ("HSET", "scd:__registry__:canaries:tiny-space", "vllm", "{}"),
+                        ("HDEL", f"scd:__stats__:suspects:tiny-space:{gen}", "x"),
+                        ("DEL", f"scd:__stats__:hits:tiny-space:{gen}")):
+            refused(reader, *command)
+        assert admin.get(key) == blob and TTL_S * 1000 - 10_000 < admin.pttl(key) <= TTL_S * 1000
+        # what it may do: read, report and count (with a TTL on what it writes)
+        assert reader.get(key) == blob and reader.hset("scd:__stats__:probe", "f", "1") == 1
+        assert reader.expire("scd:__stats__:probe", 60) and reader.hscan("scd:__stats__:probe")[1] == {b"f": b"1"}
         assert len(consumer.get("consumer-a", HASHES)) == 3
-        # a blob the producer no longer holds: it deletes the bad copy, so its engine stores the chunk again
-        admin.set(keys[2], forged)
-        producer.store.tiers[0].delete_now(keys[2])
-        assert len(consumer.get("consumer-a", HASHES)) == 2
-        assert producer.store.repair_now() == (1, 0) and admin.get(keys[2]) is None
-        assert producer.contains(PRODUCER, HASHES) == 2
-        # verified hits refresh the blobs' TTL (PEXPIRE), with the consumer's read-only user; bad ones do not
-        admin.pexpire(keys[0], 5_000)
-        admin.set(keys[1], forged, px=5_000)
-        consumer.get("consumer-a", HASHES)
-        deadline = time.monotonic() + 5
-        while admin.pttl(keys[0]) < 50_000 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert admin.pttl(keys[0]) > 50_000 and admin.pttl(keys[1]) <= 5_000
     finally:
+        reader.close()
         producer.close(), consumer.close()
+
+
+def test_a_producer_writes_only_its_own_space(deployment):
+    producer, consumer, keys = started(deployment)
+    admin = deployment["admin"]
+    writer, other = as_user(deployment, "producer"), as_user(deployment, "other")
+    theirs = keys[0].replace("tiny-space", "other-space")
+    admin.set(theirs, b"other-space blob", px=60_000)
+    gen = keys[0].split(":")[2]
+    try:
+        for command in (("SET", theirs, "x"), ("DEL", theirs), ("PEXPIRE", theirs, "0"), ("EXPIRE", theirs, "1"),
+                        ("PERSIST", theirs), ("HSET", "scd:__registry__:pairs", "x", "y"),
+                        ("HSET", "scd:__registry__:spaces", "x", "y"),
+                        ("HSET", "scd:__registry__:canaries:other-space", "vllm", "{}"),
+                        ("HSET", "scd:__registry__:canaries", "other-space|vllm", "{}"),  # the old shared hash
+                        ("HDEL", f"scd:__stats__:suspects:other-space:{gen}", "x"),
+                        ("DEL", f"scd:__stats__:hits:other-space:{gen}")):
+            refused(writer, *command)
+        assert admin.get(theirs) == b"other-space blob" and admin.pttl(theirs) > 50_000
+        # the other space's producer cannot touch this space's blobs either
+        for command in (("SET", keys[0], "x"), ("DEL", keys[0]), ("PEXPIRE", keys[0], "0")):
+            refused(other, *command)
+        # what it may do in its own space: refresh a TTL, take and clear its reports, write its canary
+        assert writer.pexpire(keys[0], 120_000) and admin.pttl(keys[0]) > 100_000
+        admin.hset(f"scd:__stats__:suspects:tiny-space:{gen}", "x", "1")
+        assert writer.hscan(f"scd:__stats__:suspects:tiny-space:{gen}")[1] == {b"x": b"1"}
+        assert writer.hdel(f"scd:__stats__:suspects:tiny-space:{gen}", "x") == 1
+        assert writer.hset("scd:__registry__:canaries:tiny-space", "probe", "{}") == 1
+    finally:
+        writer.close(), other.close()
+        producer.close(), consumer.close()
+
+
+def test_canaries_are_per_space_and_only_its_producer_writes_one(deployment):
+    """One space's producer used to be able to overwrite every space's canary in one shared hash, making
+    another space's consumers refuse their lookups (hash_mismatch)."""
+    mine, theirs = RedisRegistry(deployment["urls"]["producer"]), RedisRegistry(deployment["urls"]["other"])
+    reader = RedisRegistry(deployment["urls"]["consumer"])
+    try:
+        mine.record_canary("tiny-space", "vllm", {"engine": "vllm", "value": "a", "chunk_size": 8})
+        theirs.record_canary("other-space", "vllm", {"engine": "vllm", "value": "b", "chunk_size": 8})
+        with pytest.raises(NoPermissionError):
+            theirs.record_canary("tiny-space", "vllm", {"engine": "vllm", "value": "evil", "chunk_size": 8})
+        with pytest.raises(NoPermissionError):
+            reader.record_canary("tiny-space", "vllm", {"engine": "vllm", "value": "evil", "chunk_size": 8})
+        deployment["admin"].hset("scd:__registry__:canaries:tiny-space", "broken", b"{not json")  # skipped
+        assert reader.canaries("tiny-space") == {"vllm": {"engine": "vllm", "value": "a", "chunk_size": 8}}
+        assert reader.canaries("other-space") == {"vllm": {"engine": "vllm", "value": "b", "chunk_size": 8}}
+        assert deployment["admin"].exists("scd:__registry__:canaries:tiny-space", "scd:__registry__:canaries:"
+                                          "other-space") == 2
+        assert not deployment["admin"].exists("scd:__registry__:canaries")
+    finally:
+        mine.close(), theirs.close(), reader.close()
+
+
+def test_another_generations_blobs_are_reachable_by_their_spaces_producer_only(deployment):
+    """A rollout: both generations of a space share the space's producer user (one per space), and no other."""
+    admin, other = deployment["admin"], as_user(deployment, "other")
+    new = make_key("tiny-space", generation_of("the-next-bundle"), "ab" * 16)
+    admin.set(new, b"next generation", px=60_000)
+    try:
+        refused(other, "DEL", new)
+        writer = as_user(deployment, "producer")
+        assert writer.get(new) == b"next generation"
+        writer.close()
+    finally:
+        other.close()
 
 
 def test_an_unregistered_bundle_is_a_clear_error_for_a_read_only_engine(deployment):
@@ -157,12 +224,8 @@ def test_an_unregistered_bundle_is_a_clear_error_for_a_read_only_engine(deployme
 
 def test_revocation_reaches_a_running_consumer(deployment):
     operator = RedisRegistry(deployment["urls"]["operator"])
-    register_bundle(deployment["bundle"], operator, chunk_size=8)
-    producer = service_for(deployment, "producer", (PRODUCER,), register_bundles=False)
-    consumer = service_for(deployment, "consumer", ("consumer-a",), register_bundles=False)
+    producer, consumer, _ = started(deployment)
     try:
-        producer.put(PRODUCER, HASHES, chunks())
-        producer.drain(10)
         assert len(consumer.get("consumer-a", HASHES)) == 3
         operator.revoke("tiny-space/consumer-a")
         deadline = time.monotonic() + 5

@@ -15,7 +15,7 @@ from integration_tests.store_ops import get_tokens, hit_tokens, keys_of, put_tok
 from scd_store.store.keys import chunk_hashes
 from scd_store.store.registry import FileRegistry, NotRegistered, Pair, RedisRegistry, Space
 from scd_store.store.stats import REDIS_STATS_KEY, StoreStats
-from scd_store.store.stats_sinks import RedisStatsMirror, read_redis_stats
+from scd_store.store.stats_sinks import PROCESS_TTL_S, RedisStatsMirror, read_redis_stats
 from scd_store.store.tiered import TieredStore
 from scd_store.store.tiers.cpu import CpuTier
 from scd_store.store.tiers.redis_tier import RedisTier
@@ -245,6 +245,60 @@ def test_stats_mirrored_in_redis(server, raw, registry) -> None:
     snapshot = read_redis_stats(server.url)
     lookups = [c for c in snapshot["counters"] if c["name"] == "lookups" and c["pair"] == "pair"]
     assert lookups[0]["value"] == 2 and any(h["op"] == "get" for h in snapshot["latency"])
+    # every stats key has a TTL (refreshed by each flush): under volatile-lru none of them fills Redis for good
+    procs = [k.decode() for k in raw.hkeys(f"{REDIS_STATS_KEY}:procs")]  # one: both stores are this process
+    assert len(procs) == len(snapshot["processes"]) == 1
+    for key in (REDIS_STATS_KEY, f"{REDIS_STATS_KEY}:procs", *(f"{REDIS_STATS_KEY}:proc:{p}" for p in procs)):
+        assert 0 < raw.ttl(key) <= PROCESS_TTL_S, key
+    raw.expire(REDIS_STATS_KEY, 5)
+    mirror = RedisStatsMirror(server.url)
+    stats = StoreStats()
+    stats.inc("puts", space="sp")
+    mirror.flush(stats)
+    mirror.close()
+    assert raw.ttl(REDIS_STATS_KEY) > PROCESS_TTL_S - 60  # refreshed
+
+
+def test_stats_cli_survives_any_field(server, raw, capsys) -> None:
+    """Every process (consumers too) may write the stats hashes: junk there is skipped, never fatal, and
+    counters stay forgeable only within the schema (they are informational)."""
+    from scd_store.cli.main import main
+
+    good = {"c|hit_tokens|redis|sp|pair": 4096, "c|lookups|[/x]|sp|[bold]": 7, "h|get|redis||3": 2}
+    junk = {"c|hit_tokens|redis|sp|pair2": "not a number", "c|lookups|||": "1.5", "c|puts|||": "9" * 30,
+            "c|puts|x||": str(2 ** 63), "c|puts|y||": "-3", "c|nope|||": 1, "garbage": "x", "c|hit_tokens|a|b": 1,
+            "h|get|||99": 1, "h|get|||x": 1, "h|get|||3": "1e3", b"\xff\xfe": 1, "c|lookups|" + "t" * 300 + "||": 1,
+            "c|lookups|\x1b[31m||": 1, "c|puts|||" + "z" * 100_000: 1}
+    pipe = raw.pipeline(transaction=False)
+    pipe.hset(REDIS_STATS_KEY, mapping={**good, **junk})
+    for i in range(100_000):
+        pipe.hset(REDIS_STATS_KEY, f"c|junk-{i}|||", i)
+    record = {"host": "host", "pid": 1, "name": "[/red]", "id": "host-1", "started": 1.0, "updated": "yesterday"}
+    pipe.hset(f"{REDIS_STATS_KEY}:procs", mapping={
+        "host-1": json.dumps(record), "host-2": "{not json", "host-3": "[" * 3000, "host-4": "[1, 2]",
+        "host-5": json.dumps({**record, "name": "x" * 300}), "host-7": json.dumps({**record, "name": "x" * 10_000}),
+        "bad|pid": json.dumps(record),
+        "host-6": json.dumps({**record, "pid": "abc", "updated": float("nan")})})
+    for pid in ("host-1", "host-5", "host-6", "host-7", "bad|pid"):
+        pipe.hset(f"{REDIS_STATS_KEY}:proc:{pid}", mapping={**good, **junk})
+    pipe.execute()
+    t0 = time.monotonic()
+    assert main(["stats", "--redis", server.url, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert time.monotonic() - t0 < 60
+    counters = {(c["name"], c["tier"], c["space"], c["pair"]): c["value"] for c in out["counters"]}
+    assert counters == {("hit_tokens", "redis", "sp", "pair"): 4096, ("lookups", "[/x]", "sp", "[bold]"): 7}
+    assert [h["buckets"][3] for h in out["latency"]] == [2]
+    assert [p["process"]["id"] for p in out["processes"]] == ["host-1", "host-5", "host-6"]
+    first, second, third = (p["process"] for p in out["processes"])
+    assert first == {"host": "host", "pid": 1, "name": "[/red]", "id": "host-1", "started": 1.0}
+    assert "name" not in second and "pid" not in third and "updated" not in third
+    assert {row["pair"]: row["hit_tokens"] for row in out["summary"]["pairs"]} == {"pair": 4096, "[bold]": 0}
+    for extra in ([], ["--counters"]):
+        assert main(["stats", "--redis", server.url, *extra]) == 0
+        text = capsys.readouterr().out
+        assert "4,096" in text and "[/red]" in text  # labels printed as text, never as markup
+    assert "[/x]" in text and "junk-" not in text
 
 
 def test_stats_cli_reads_redis(server, raw, capsys) -> None:

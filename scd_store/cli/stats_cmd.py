@@ -4,7 +4,9 @@ Opens with one row per consumer pair (requested tokens, hit tokens, hit rate, by
 their raw-KV equivalent, decode p50 / p99, misses by reason), then one row per engine process, then
 the misses that belong to no pair; ``--counters`` adds every counter and latency histogram,
 ``--watch N`` redraws every N seconds. Reads Redis when the deployment has one, else this host's
-per-process snapshot files.
+per-process snapshot files. What it reads was written by every process of the deployment, consumers
+included: fields and records outside the schema are skipped (:mod:`scd_store.store.stats_sinks`), and
+every label is printed as plain text (never as Rich markup).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 
@@ -23,7 +26,7 @@ def load_view(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     """The deployment view and where it came from."""
     from scd_store.store.build import stats_dir
     from scd_store.store.config import load_config
-    from scd_store.store.stats_sinks import read_redis_stats, read_snapshot_files
+    from scd_store.store.stats_sinks import clean_snapshot, read_redis_stats, read_snapshot_files
 
     url = args.redis
     if not url and not args.file:
@@ -33,7 +36,12 @@ def load_view(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         return read_redis_stats(url), f"Redis {url.split('@')[-1]}"
     path = Path(args.file) if args.file else stats_dir()
     if path.is_file():
-        data = json.loads(path.read_text())
+        try:
+            data = clean_snapshot(json.loads(path.read_text()))
+        except (ValueError, RecursionError):
+            data = None
+        if data is None:
+            raise SystemExit(f"scd-store stats: {path} is no stats snapshot")
         return {**data, "processes": [data] if "process" in data else []}, str(path)
     view = read_snapshot_files(path)
     return view, f"{path} ({len(view['processes'])} processes)"
@@ -70,14 +78,14 @@ def print_view(view: dict[str, Any], source: str, *, counters: bool = False, con
 
     console = console or Console(width=max(Console().width, 140))
     report = summary(view)
-    pairs = Table(title=f"scd-store hits per pair ({source})")
+    pairs = Table(title=f"scd-store hits per pair ({escape(source)})")
     for column in ("space", "pair", "requested", "hit", "hit rate", "fetched", "raw KV", "decode p50/p99 <=",
                    "misses by reason (chunks)"):
         pairs.add_column(column, justify="left" if column in ("space", "pair", "misses by reason (chunks)")
                          else "right")
     for row in report["pairs"]:
         misses = ", ".join(f"{k} {v:,}" for k, v in row["misses"].items() if v) or "-"
-        pairs.add_row(row["space"], row["pair"].split("/", 1)[-1], f"{row['requested_tokens']:,}",
+        pairs.add_row(escape(row["space"]), escape(row["pair"].split("/", 1)[-1]), f"{row['requested_tokens']:,}",
                       f"{row['hit_tokens']:,}", _pct(row["hit_rate"]), _bytes(row["bytes_fetched"]),
                       _bytes(row["raw_kv_bytes"]), f"{fmt_s(row['decode_p50_le_s'])} / {fmt_s(row['decode_p99_le_s'])}",
                       misses)
@@ -89,7 +97,8 @@ def print_view(view: dict[str, Any], source: str, *, counters: bool = False, con
             procs.add_column(column, justify="left" if column in ("process", "program", "updated") else "right")
         for row in report["processes"]:
             record = row["process"]
-            procs.add_row(record.get("id", "?"), record.get("name", "?"), _age(record), f"{row['requested_tokens']:,}",
+            procs.add_row(escape(str(record.get("id", "?"))), escape(str(record.get("name", "?"))), _age(record),
+                          f"{row['requested_tokens']:,}",
                           f"{row['hit_tokens']:,}", _pct(row["hit_rate"]), f"{row['puts']:,}",
                           f"{row['dropped_puts']:,}", f"{row['unpositioned_chunks']:,}", f"{row['hash_mismatch']:,}",
                           f"{row['tier_errors']:,}")
@@ -107,14 +116,15 @@ def print_counters(view: dict[str, Any], console: Console) -> None:
     for column in ("counter", "tier", "space", "pair", "value"):
         table.add_column(column, justify="right" if column == "value" else "left")
     for c in view["counters"]:
-        table.add_row(c["name"], c["tier"] or "-", c["space"] or "-", c["pair"] or "-", f"{c['value']:,}")
+        table.add_row(*(escape(c[k] or "-") for k in ("name", "tier", "space", "pair")), f"{c['value']:,}")
     console.print(table)
     if view["latency"]:
         lat = Table(title="latency (histogram bucket upper bounds)")
         for column in ("op", "tier", "pair", "count", "p50 <=", "p99 <="):
             lat.add_column(column, justify="left" if column in ("op", "tier", "pair") else "right")
         for h in view["latency"]:
-            lat.add_row(h["op"], h["tier"] or "-", h.get("pair") or "-", str(h["count"]), fmt_s(h["p50_le_s"]),
+            lat.add_row(escape(h["op"]), escape(h["tier"] or "-"), escape(h.get("pair") or "-"), str(h["count"]),
+                        fmt_s(h["p50_le_s"]),
                         fmt_s(h["p99_le_s"]))
         console.print(lat)
 

@@ -5,10 +5,15 @@
   keys, space generation and codec); a bad blob is a miss and is counted (``corrupt_blobs``,
   ``bad_signatures``, ``foreign_blobs``); the walk goes on to the next tier for it. Readers delete
   a bad blob only from this host's tiers (CPU, GPU, disk), never from a shared one (Redis, peers):
-  there they report its key (``report_suspects``) and its producer quarantines it (:meth:`repair`
-  verifies each reported key itself, deletes what is bad and rewrites it from its own tiers; what it
-  has no copy of is then absent, so its engine stores it again), or the tier's TTL ends it (only
-  verified hits refresh a TTL).
+  there they report its key (``report_suspects``), and report their verified hits
+  (``report_hits``) instead of refreshing a TTL themselves. The space's producer takes both in
+  :meth:`ReadPath.repair`: it keeps only reported keys of its own space generation (the rest is
+  ``refused_reports``), verifies each reported bad key itself, deletes what is bad (never a blob of
+  another generation or codec: that is a miss, not damage) and rewrites it from its own tiers; what
+  it has no copy of is then absent, so its engine stores it again. It refreshes the TTL of the
+  reported hits (``ttl_refreshes``), so only blobs readers verified live on; the tier's TTL ends the
+  rest. A report is removed only once it was processed: a tier failing midway leaves the rest for
+  the next round.
 - Local tiers (CPU, GPU) are read on the caller's thread; the rest on the store's event loop.
 - Hits from a lower tier are copied into every tier above it (local tiers at once, remote ones
   through the write-behind, never blocking the reader).
@@ -26,6 +31,7 @@ from typing import Any
 
 from scd_store.store.blob import Blob, BlobError, ForeignBlob, SignatureError, decode_blob
 from scd_store.store.guard import TierGuard
+from scd_store.store.keys import KeyError_, parse_key
 from scd_store.store.loop import LoopThread
 from scd_store.store.records import Space
 from scd_store.store.signing import Keyring
@@ -45,7 +51,7 @@ class _Found:
 
 
 def _scope(space: Space) -> str:
-    """Where a shared tier keeps the keys readers reported bad in ``space`` (its id and generation)."""
+    """Where a shared tier keeps the keys readers reported in ``space`` (its id and generation)."""
     return f"{space.space_id}:{space.generation}"
 
 
@@ -63,7 +69,7 @@ class ReadPath:
     def __init__(self, tiers: Sequence[Tier], guard: TierGuard, stats: StoreStats, loop: LoopThread,
                  write_behind: WriteBehind, keyring: Keyring | None = None) -> None:
         self.keyring = keyring
-        self._touches: set[object] = set()  # TTL refreshes in flight (fire and forget)
+        self._reports: set[object] = set()  # hit reports in flight (fire and forget)
         self.tiers = list(tiers)
         self.guard = guard
         self.stats = stats
@@ -146,51 +152,109 @@ class ReadPath:
             elif bad:  # a reader of a shared tier: tell the producer
                 await self.guard.call(tier, "report", lambda t=tier, b=bad: t.report_suspects(_scope(space), b), None)
             if tier.expires and op == "get":
-                self._touch(tier, [keys[i] for i, f in enumerate(results)
-                                   if isinstance(f, _Found) and f.tier_index == ti])
+                self._report_hits(tier, space, [keys[i] for i, f in enumerate(results)
+                                                if isinstance(f, _Found) and f.tier_index == ti])
 
-    def _touch(self, tier: Tier, keys: list[str]) -> None:
-        """Refresh the TTL of verified hits in ``tier`` without waiting for it."""
+    def _report_hits(self, tier: Tier, space: Space, keys: list[str]) -> None:
+        """Report verified hits in ``tier`` (its producer refreshes their TTL) without waiting for it."""
         if not keys:
             return
-        task = asyncio.ensure_future(self.guard.call(tier, "touch", lambda: tier.touch_many(keys), None))
-        self._touches.add(task)
-        task.add_done_callback(self._touches.discard)
+        task = asyncio.ensure_future(self.guard.call(tier, "report", lambda: tier.report_hits(_scope(space), keys),
+                                                     None))
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
 
-    async def repair(self, space: Space, limit: int = 256) -> tuple[int, int]:
-        """A producer's quarantine: take the keys readers reported bad in each shared tier, verify them
-        itself, delete what is bad and rewrite it from a good copy in its own tiers. Returns
-        ``(quarantined, repaired)``."""
+    async def repair(self, space: Space, limit: int = 256, hits_limit: int = 4096) -> tuple[int, int]:
+        """A producer's round over each shared tier: up to ``limit`` keys readers reported bad (verified
+        here, deleted when bad, rewritten from a good copy in this host's tiers), then up to ``hits_limit``
+        reported hits (their TTL refreshed). Returns ``(quarantined, repaired)``."""
         quarantined = repaired = 0
         for ti, tier in enumerate(self.tiers):
             if not tier.shared:
                 continue
-            keys = await self.guard.call(tier, "suspects", lambda t=tier: t.take_suspects(_scope(space), limit), [])
-            if not keys:
-                continue
-            values = await self.guard.call(tier, "get", lambda t=tier, k=keys: t.get_many(k), None)
-            if values is None:
-                continue
-            bad = [k for k, v in zip(keys, values, strict=True) if v is not None and not self._intact(k, v, space)]
-            if not bad:
-                continue
-            await self.guard.call(tier, "delete", lambda t=tier, b=bad: t.delete_many(b), 0)
-            quarantined += len(bad)
-            fixes = await self._good_copies(space, ti, bad)
-            if fixes and await self.guard.call(tier, "put", lambda t=tier, f=fixes: t.put_many(f), False, True):
-                repaired += len(fixes)
-        if quarantined:
-            self.stats.inc("quarantined_blobs", quarantined, space=space.space_id)
-        if repaired:
-            self.stats.inc("repaired_blobs", repaired, space=space.space_id)
+            q, r, bad = await self._repair_suspects(ti, tier, space, limit)
+            quarantined, repaired = quarantined + q, repaired + r
+            if tier.expires:
+                await self._refresh_hits(tier, space, hits_limit, bad)
         return quarantined, repaired
 
-    def _intact(self, key: str, value: bytes, space: Space) -> bool:
+    def _own(self, tier: Tier, space: Space, reported: list[str]) -> tuple[list[str], list[str]]:
+        """Split reported keys into those of ``space``'s generation and the rest (counted as refused)."""
+        mine: list[str] = []
+        refused: list[str] = []
+        for key in reported:
+            try:
+                ok = parse_key(key)[:2] == (space.space_id, space.generation)
+            except KeyError_:
+                ok = False
+            (mine if ok else refused).append(key)
+        if refused:
+            self.stats.inc("refused_reports", len(refused), tier=tier.name, space=space.space_id)
+            log.debug("refused %d reported keys in tier %s outside %s", len(refused), tier.name, _scope(space))
+        return mine, refused
+
+    async def _repair_suspects(self, ti: int, tier: Tier, space: Space, limit: int) -> tuple[int, int, set[str]]:
+        scope = _scope(space)
+        reported = await self.guard.call(tier, "suspects", lambda: tier.reports("suspects", scope, limit), None)
+        if not reported:
+            return 0, 0, set()
+        mine, done = self._own(tier, space, reported)
+        quarantined = repaired = 0
+        bad: list[str] = []
+        values = await self.guard.call(tier, "get", lambda: tier.get_many(mine), None) if mine else None
+        if values is not None:
+            absent: list[str] = []
+            for key, value in zip(mine, values, strict=True):
+                state = "absent" if value is None else self._state(key, value, space)
+                if state == "bad":
+                    bad.append(key)
+                elif state == "absent":
+                    absent.append(key)
+                else:  # intact (a false report, or repaired already) or foreign: left alone
+                    done.append(key)
+            deleted = not bad or await self.guard.call(tier, "delete", lambda: tier.delete_many(bad), None) is not None
+            if bad and deleted:
+                quarantined = len(bad)
+                self.stats.inc("quarantined_blobs", quarantined, tier=tier.name, space=space.space_id)
+            # what this round deleted, or an earlier one deleted and could not rewrite: from a good copy here
+            fixable = [*(bad if deleted else []), *absent]
+            fixes = await self._good_copies(space, ti, fixable) if fixable else []
+            if not fixes or await self.guard.call(tier, "put", lambda: tier.put_many(fixes), False, True):
+                repaired = len(fixes)
+                done += fixable
+        if repaired:
+            self.stats.inc("repaired_blobs", repaired, tier=tier.name, space=space.space_id)
+        if done:  # only what was processed: the rest is taken again next round
+            await self.guard.call(tier, "report", lambda: tier.clear_reports("suspects", scope, done), None)
+        return quarantined, repaired, set(bad)
+
+    async def _refresh_hits(self, tier: Tier, space: Space, limit: int, bad: set[str]) -> None:
+        """Refresh the TTL of reported hits of ``space`` (never of a blob this round found bad)."""
+        scope = _scope(space)
+        reported = await self.guard.call(tier, "hits", lambda: tier.reports("hits", scope, limit), None)
+        if not reported:
+            return
+        mine, refused = self._own(tier, space, reported)
+        mine = [k for k in mine if k not in bad]
+        refreshed = await self.guard.call(tier, "touch", lambda: tier.touch_many(mine), None) if mine else 0
+        if refreshed:
+            self.stats.inc("ttl_refreshes", refreshed, tier=tier.name, space=space.space_id)
+        done = refused if refreshed is None else reported  # a failed refresh keeps its reports for next round
+        if done:
+            await self.guard.call(tier, "report", lambda: tier.clear_reports("hits", scope, done), None)
+
+    def _state(self, key: str, value: bytes, space: Space) -> str:
+        """``intact``, ``foreign`` (another generation's or codec's blob: a miss, not damage) or ``bad``."""
         try:
             self._verify(key, value, space)
+        except ForeignBlob:
+            return "foreign"
         except BlobError:
-            return False
-        return True
+            return "bad"
+        return "intact"
+
+    def _intact(self, key: str, value: bytes, space: Space) -> bool:
+        return self._state(key, value, space) == "intact"
 
     async def _good_copies(self, space: Space, below: int, keys: list[str]) -> list[tuple[str, bytes]]:
         """Verified copies of ``keys`` from this host's tiers above tier ``below``."""

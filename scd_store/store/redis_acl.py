@@ -1,15 +1,21 @@
 """Least-privilege Redis ACL users for each role of a deployment (the recipe docs/reliability.md prints).
 
 - ``operator`` (``scd-store register`` / ``pairs`` / ``revoke``): reads and writes the registry only.
-- ``producer`` of one space: writes and deletes (quarantine) that space's blobs, reads the registry,
-  records its hashing canary, takes the bad keys readers reported, adds to the counters.
-- ``consumer``: reads blobs and the registry (``PEXPIRE`` refreshes a verified hit's TTL: the only
-  write it may make to a blob), reports bad keys and adds to the counters (``scd:__stats__*``). It
-  cannot write or delete a blob, nor touch the registry.
+- ``producer`` of one space: writes, deletes (quarantine) and refreshes the TTL of (``PEXPIRE``: the hits readers
+  reported) that space's blobs only, reads the registry, writes only its own space's hashing canary
+  (``scd:__registry__:canaries:{space}``), reads its space's reports with ``HSCAN`` and removes the ones
+  it processed (``HDEL``: its own space's report hashes only), adds to the counters.
+- ``consumer``: reads blobs and the registry; reports verified hits and bad keys and adds to the
+  counters (``HSET`` / ``HINCRBY`` / ``EXPIRE`` under ``scd:__stats__*``). No command it may run deletes,
+  expires or writes a blob, nor touches the registry.
 
-Keys: blobs ``scd:{space}:v{format}.{generation}:{hash}``; registry ``scd:__registry__:*``; counters
-``scd:__stats__*`` (:mod:`scd_store.store.keys`, :mod:`scd_store.store.registry`,
-:mod:`scd_store.store.stats_sinks`).
+The counters (and the reports) stay writable by every process: they are informational, a consumer
+can forge them within their schema; the producer trusts no report (it verifies every reported key).
+
+Keys: blobs ``scd:{space}:v{format}.{generation}:{hash}``; registry ``scd:__registry__:*``; counters and
+reports ``scd:__stats__*`` (:mod:`scd_store.store.keys`, :mod:`scd_store.store.registry`,
+:mod:`scd_store.store.stats_sinks`, :mod:`scd_store.store.tiers.redis_tier`). A space id cannot start
+with ``_`` nor hold ``:`` or a glob character, so ``scd:{space}:*`` matches that space's blobs only.
 """
 
 from __future__ import annotations
@@ -20,9 +26,12 @@ from scd_store.store.keys import validate_space_id
 
 ROLES = ("operator", "producer", "consumer")
 _REGISTRY = "scd:__registry__:*"
+_CANARIES = "scd:__registry__:canaries"  # + ":{space}" (scd_store.store.registry.REDIS_CANARIES)
 _STATS = "scd:__stats__*"
+_REPORTS = ("scd:__stats__:suspects", "scd:__stats__:hits")  # + ":{space}:{generation}" (redis_tier)
 _CONNECT = "+ping +select"
-_STATS_CMDS = "+hincrby +expire +hset"
+_READ_STATS = "+hget +hgetall +hscan"
+_WRITE_STATS = "+hincrby +hset +expire"
 
 
 def acl_setuser(role: str, user: str, password: str, space_id: str | None = None) -> list[str]:
@@ -37,11 +46,11 @@ def acl_setuser(role: str, user: str, password: str, space_id: str | None = None
         return [*base, f"~{_REGISTRY}", "+hget", "+hgetall", "+hset", "+hsetnx", "+hdel", "+get", "+incrby"]
     if role == "producer":
         space = validate_space_id(space_id or "")
-        return [*base, f"~scd:{space}:*", f"%R~{_REGISTRY}", f"%W~{_REGISTRY[:-1]}canaries", f"~{_STATS}",
-                "+get", "+pexpire", "+mget", "+set", "+exists", "+del", "+hget", "+hgetall", "+hkeys", "+hdel",
-                *_STATS_CMDS.split()]
-    return [*base, "%R~scd:*", f"~{_STATS}", "+get", "+mget", "+exists", "+hget", "+hgetall", *_STATS_CMDS.split(),
-            "(~scd:*:v*.*:* +pexpire)"]  # a selector: PEXPIRE (a hit refreshing its TTL) on blob keys only
+        own = [f"~scd:{space}:*", f"%R~{_REGISTRY}", f"~{_CANARIES}:{space}", *(f"~{r}:{space}:*" for r in _REPORTS)]
+        stats = f"(~{_STATS} {_READ_STATS} {_WRITE_STATS})"  # a selector: counters and reports, of every space
+        return [*base, *own, "+get", "+mget", "+exists", "+set", "+del", "+pexpire", *_READ_STATS.split(), "+hdel",
+                *_WRITE_STATS.split(), stats]
+    return [*base, "%R~scd:*", f"~{_STATS}", "+get", "+mget", "+exists", *_READ_STATS.split(), *_WRITE_STATS.split()]
 
 
 def recipe(space_id: str = "SPACE", passwords: dict[str, str] | None = None) -> str:

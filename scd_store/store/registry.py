@@ -6,7 +6,10 @@ codes. Several generations of a space coexist (a rollout: :mod:`scd_store.store.
 operator revokes one with :meth:`Registry.revoke`. Every change of a space or pair bumps
 :meth:`Registry.version`, which stores re-read within ``registry_refresh_s`` (revocation takes
 effect there). A space's producer also records its engine's hashing canary, so consumers can check
-they hash alike.
+they hash alike: in Redis one hash per space (``scd:__registry__:canaries:{space_id}``), which only that
+space's producer user may write (:mod:`scd_store.store.redis_acl`), so no producer can make another
+space's consumers refuse their lookups. A :class:`FileRegistry` lives in a directory only this user may
+write, and its file is refused when other users may write it (:mod:`scd_store.store.fs_safety`).
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from scd_store.store.keys import generation_of
+from scd_store.store.fs_safety import UnsafePath, check_owner_only, private_dir
+from scd_store.store.keys import generation_of, validate_space_id
 from scd_store.store.records import NotAuthorized, NotRegistered, Pair, RegistryError, Space
 
 __all__ = ["FileRegistry", "NotAuthorized", "NotRegistered", "Pair", "RedisRegistry", "Registry", "RegistryError",
@@ -31,6 +35,7 @@ REDIS_PREFIX = "scd:__registry__"
 REDIS_SPACES = f"{REDIS_PREFIX}:spaces"
 REDIS_PAIRS = f"{REDIS_PREFIX}:pairs"
 REDIS_VERSION = f"{REDIS_PREFIX}:version"
+REDIS_CANARIES = f"{REDIS_PREFIX}:canaries"  # + ":{space_id}": that space's canaries, engine -> JSON record
 # canaries: each space's producer hashing, per engine; locations: the bundle directory of a space or pair
 KINDS = ("spaces", "pairs", "canaries", "locations")
 VERSIONED = ("spaces", "pairs")  # kinds whose changes bump the version
@@ -167,13 +172,23 @@ class FileRegistry(Registry):
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(self.path.parent, "the registry directory")  # 0700; UnsafePath when others may write it
+        with contextlib.suppress(FileNotFoundError):
+            self._raw()  # a file other users may write is refused at once
+
+    def _raw(self) -> bytes:
+        """The file's bytes; :class:`~scd_store.store.fs_safety.UnsafePath` when group or others may write it."""
+        with open(self.path, "rb") as f:
+            check_owner_only(self.path, os.fstat(f.fileno()), "the registry file")
+            return f.read()
 
     def _read(self) -> dict[str, dict[str, dict[str, Any]]]:
         try:
-            data = json.loads(self.path.read_text())
+            data = json.loads(self._raw())
         except FileNotFoundError:
             return {kind: {} for kind in KINDS}
+        except UnsafePath:
+            raise
         except (OSError, ValueError) as exc:
             raise RegistryError(f"registry file {self.path} is unreadable: {exc}") from exc
         if not isinstance(data, dict) or not isinstance(data.get("spaces"), dict) or not isinstance(
@@ -238,7 +253,8 @@ class FileRegistry(Registry):
 
 
 class RedisRegistry(Registry):
-    """Two Redis hashes (``scd:__registry__:spaces`` / ``:pairs``) of JSON records."""
+    """Redis hashes of JSON records: ``scd:__registry__:spaces`` / ``:pairs`` / ``:locations``, and one
+    ``scd:__registry__:canaries:{space_id}`` per space."""
 
     def __init__(self, url: str, client: Any = None) -> None:
         from scd_store.store.redis_url import make_sync_client
@@ -281,8 +297,29 @@ class RedisRegistry(Registry):
             self._bump(kind)
         return removed
 
+    def record_canary(self, space_id: str, engine: str, record: dict[str, Any]) -> None:
+        """The canary of ``space_id``'s producer under ``engine``, in that space's own hash (which only its
+        producer user may write)."""
+        self.client.hset(_canary_key(space_id), engine, json.dumps(record, sort_keys=True))
+
+    def canaries(self, space_id: str) -> dict[str, dict[str, Any]]:
+        """Every engine's canary in ``space_id``'s own hash (records that are no JSON object are skipped)."""
+        found: dict[str, dict[str, Any]] = {}
+        for engine, raw in self.client.hgetall(_canary_key(space_id)).items():
+            try:
+                record = json.loads(raw)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                found[engine.decode(errors="replace") if isinstance(engine, bytes) else engine] = record
+        return found
+
     def close(self) -> None:
         self.client.close()
+
+
+def _canary_key(space_id: str) -> str:
+    return f"{REDIS_CANARIES}:{validate_space_id(space_id)}"
 
 
 def _current(kind: str, records: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:

@@ -5,13 +5,20 @@ Every counter is a Prometheus metric ``scd_store_<name>_total`` with labels ``ti
 to ``scd_store_op_seconds`` (labels ``op``, ``tier``, ``pair``). A hit rate is one PromQL division:
 ``scd_store_hit_tokens_total / scd_store_requested_tokens_total``. A snapshot backs ``scd-store
 stats``; :mod:`scd_store.store.stats_sinks` shares it between processes (Redis or per-process files).
+
+Shared counters are written by every process of a deployment, consumers included: whatever is read
+back passes :func:`accepted_fields` (known counter names, bounded printable labels, int64 values,
+valid histogram buckets), so junk is skipped, never fatal. Counters stay forgeable within that
+schema: they are informational, nothing trusts them.
 """
 
 from __future__ import annotations
 
 import bisect
+import re
 import threading
 from collections import defaultdict
+from collections.abc import Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -75,6 +82,10 @@ COUNTERS: dict[str, str] = {
 LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                    float("inf"))
 REDIS_STATS_KEY = "scd:__stats__"
+INT64_MAX = (1 << 63) - 1
+MAX_LABEL_CHARS = 256
+_LABEL_RE = re.compile(r"[\x20-\x7b\x7d\x7e]*")  # printable ASCII but "|", the fields' separator
+_VALUE_RE = re.compile(r"[0-9]{1,19}")
 Label = tuple[str, str, str]  # tier, space, pair
 HistKey = tuple[str, str, str]  # op, tier, pair
 
@@ -197,13 +208,68 @@ def snapshot_from_fields(fields: dict[str, int]) -> dict[str, Any]:
     return {"counters": counters, "latency": latency}
 
 
-def snapshot_fields(snapshot: dict[str, Any]) -> dict[str, int]:
-    """The inverse of :func:`snapshot_from_fields` (so snapshots can be added up)."""
-    fields = {f"c|{c['name']}|{c['tier']}|{c['space']}|{c['pair']}": int(c["value"]) for c in snapshot["counters"]}
-    for h in snapshot.get("latency", []):
-        for i, count in enumerate(h.get("buckets", [])):
+def snapshot_fields(snapshot: Any) -> dict[str, int]:
+    """The inverse of :func:`snapshot_from_fields` (so snapshots can be added up); entries that are not
+    of the schema (a damaged snapshot file) are skipped."""
+    fields: dict[str, Any] = {}
+    if not isinstance(snapshot, dict):
+        return {}
+    counters, latency = snapshot.get("counters"), snapshot.get("latency")
+    for c in counters if isinstance(counters, list) else []:
+        if isinstance(c, dict) and all(isinstance(c.get(k), str) for k in ("name", "tier", "space", "pair")):
+            fields[f"c|{c['name']}|{c['tier']}|{c['space']}|{c['pair']}"] = c.get("value")
+    for h in latency if isinstance(latency, list) else []:
+        if not isinstance(h, dict) or not all(isinstance(h.get(k, ""), str) for k in ("op", "tier", "pair")):
+            continue
+        buckets = h.get("buckets")
+        for i, count in enumerate(buckets[:len(LATENCY_BUCKETS)] if isinstance(buckets, list) else []):
             if count:
-                fields[f"h|{h['op']}|{h['tier']}|{h.get('pair', '')}|{i}"] = int(count)
+                fields[f"h|{h.get('op')}|{h.get('tier')}|{h.get('pair', '')}|{i}"] = count
+    return accepted_fields(fields)
+
+
+def valid_label(label: object) -> bool:
+    """A label (tier, space, pair, op) the shared counters accept: at most 256 printable ASCII chars but ``|``."""
+    return isinstance(label, str) and len(label) <= MAX_LABEL_CHARS and _LABEL_RE.fullmatch(label) is not None
+
+
+def _value(raw: object) -> int | None:
+    if isinstance(raw, bool):
+        return None
+    if isinstance(raw, int):
+        return raw if 0 <= raw <= INT64_MAX else None
+    if isinstance(raw, bytes):
+        raw = raw.decode("ascii", "replace")
+    if isinstance(raw, str) and _VALUE_RE.fullmatch(raw) and int(raw) <= INT64_MAX:
+        return int(raw)
+    return None
+
+
+def _schema_field(field: str) -> bool:
+    parts = field.split("|")
+    if len(parts) != 5 or not all(valid_label(p) for p in parts[1:]):
+        return False
+    if parts[0] == "c":
+        return parts[1] in COUNTERS
+    return parts[0] == "h" and parts[4].isdigit() and len(parts[4]) <= 2 and int(parts[4]) < len(LATENCY_BUCKETS)
+
+
+def accepted_fields(raw: Mapping[Any, Any]) -> dict[str, int]:
+    """The fields of ``raw`` (a shared hash as read: bytes or str names, bytes / str / int values) that are of
+    the schema: ``c|<counter in COUNTERS>|tier|space|pair`` or ``h|op|tier|pair|<bucket index>``, labels
+    :func:`valid_label`, values ints in ``0..2**63-1``. Everything else is skipped."""
+    fields: dict[str, int] = {}
+    for name, raw_value in raw.items():
+        if isinstance(name, bytes):
+            try:
+                name = name.decode("ascii")
+            except UnicodeDecodeError:
+                continue
+        if not isinstance(name, str) or len(name) > 5 * (MAX_LABEL_CHARS + 1) or not _schema_field(name):
+            continue
+        value = _value(raw_value)
+        if value is not None:
+            fields[name] = value
     return fields
 
 

@@ -2,7 +2,11 @@
 
 - :class:`RedisStatsMirror` (when Redis is configured): every flush adds the process's deltas to the
   deployment-wide hash ``scd:__stats__`` and to the process's own ``scd:__stats__:proc:<host>-<pid>``
-  (``HINCRBY``; kept 7 days after its last flush), and records the process in ``scd:__stats__:procs``.
+  (``HINCRBY``), records the process in ``scd:__stats__:procs`` and gives all three a TTL of 7 days
+  (refreshed by every flush: under ``volatile-lru`` they are evictable, like blobs). Every process may
+  write them, consumers too, so the reader trusts nothing it reads: ``HSCAN`` up to
+  :data:`MAX_FIELDS` fields in all, only fields of the schema (:func:`~scd_store.store.stats.accepted_fields`),
+  at most :data:`MAX_PROCESSES` process records, each a bounded JSON object whose fields are checked.
 - :class:`SnapshotFiles` (the embedded default, one host): each process writes its snapshot to
   ``<dir>/<host>-<pid>.json`` every flush and on close; readers add the files up.
 
@@ -13,7 +17,9 @@ each with its ``process`` record and its own counters.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
+import math
 import os
 import socket
 import sys
@@ -25,9 +31,22 @@ from pathlib import Path
 from typing import Any
 
 from scd_store.store.pids import pid_alive
-from scd_store.store.stats import REDIS_STATS_KEY, StoreStats, merge_snapshots, snapshot_from_fields
+from scd_store.store.stats import (
+    INT64_MAX,
+    REDIS_STATS_KEY,
+    StoreStats,
+    accepted_fields,
+    merge_snapshots,
+    snapshot_fields,
+    snapshot_from_fields,
+    valid_label,
+)
 
-PROCESS_TTL_S = 7 * 24 * 3600
+PROCESS_TTL_S = 7 * 24 * 3600  # every stats key's TTL, refreshed by each flush
+MAX_FIELDS = 200_000  # hash fields one read takes, the totals and every process's together
+MAX_PROCESSES = 256  # process rows one read shows (the most recently updated)
+MAX_RECORD_BYTES = 4096  # a process record longer than this is skipped
+SCAN_COUNT = 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,35 +103,82 @@ class RedisStatsMirror(StatsSink):
         if not pending:
             return
         own = f"{REDIS_STATS_KEY}:proc:{self.process.id}"
+        procs = f"{REDIS_STATS_KEY}:procs"
         try:
             pipe = self.client.pipeline(transaction=False)
             for name, amount in pending.items():
                 pipe.hincrby(REDIS_STATS_KEY, name, amount)
                 pipe.hincrby(own, name, amount)
-            pipe.expire(own, PROCESS_TTL_S)
-            pipe.hset(f"{REDIS_STATS_KEY}:procs", self.process.id, json.dumps(self.process.record()))
+            pipe.hset(procs, self.process.id, json.dumps(self.process.record()))
+            for key in (REDIS_STATS_KEY, own, procs):
+                pipe.expire(key, PROCESS_TTL_S)
             pipe.execute()
         except Exception:
             stats.restore_pending(pending)
             raise
 
+    def _scan(self, name: str, cap: int) -> dict[Any, Any]:
+        """Up to ``cap`` fields of hash ``name`` (``HSCAN``: never the whole of an unbounded hash at once)."""
+        return dict(itertools.islice(self.client.hscan_iter(name, count=SCAN_COUNT), max(0, cap)))
+
     def read(self) -> dict[str, Any]:
-        """The deployment view: totals and every process seen in the last 7 days."""
-        view = snapshot_from_fields(_ints(self.client.hgetall(REDIS_STATS_KEY)))
+        """The deployment view: totals and the processes seen in the last 7 days (at most ``MAX_PROCESSES``, the
+        most recently updated), read within ``MAX_FIELDS`` fields; fields and records not of the schema are
+        skipped."""
+        totals = self._scan(REDIS_STATS_KEY, MAX_FIELDS)
+        budget = MAX_FIELDS - len(totals)
+        records = []
+        for pid, raw in self._scan(f"{REDIS_STATS_KEY}:procs", 4 * MAX_PROCESSES).items():
+            pid = pid.decode("ascii", "replace") if isinstance(pid, bytes) else pid
+            record = process_record(raw)
+            if record is not None and valid_label(pid) and pid:
+                records.append((record.get("updated", 0.0), pid, {**record, "id": pid}))  # the key names it
+        newest = sorted(records, key=lambda r: r[0], reverse=True)[:MAX_PROCESSES]
         processes = []
-        for pid, record in sorted(self.client.hgetall(f"{REDIS_STATS_KEY}:procs").items()):
-            pid = pid.decode() if isinstance(pid, bytes) else pid
-            own = self.client.hgetall(f"{REDIS_STATS_KEY}:proc:{pid}")
-            if own:
-                processes.append({"process": json.loads(record), **snapshot_from_fields(_ints(own))})
-        return {**view, "processes": processes}
+        for _, pid, record in sorted(newest, key=lambda r: r[1]):
+            own = self._scan(f"{REDIS_STATS_KEY}:proc:{pid}", budget)
+            budget -= len(own)
+            fields = accepted_fields(own)
+            if fields:
+                processes.append({"process": record, **snapshot_from_fields(fields)})
+        return {**snapshot_from_fields(accepted_fields(totals)), "processes": processes}
 
     def close(self) -> None:
         self.client.close()
 
 
-def _ints(raw: dict) -> dict[str, int]:
-    return {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in raw.items()}
+def process_record(raw: Any) -> dict[str, Any] | None:
+    """A process record as read back (JSON of :meth:`ProcessInfo.record`), its fields checked; None when it
+    is no JSON object of at most ``MAX_RECORD_BYTES`` bytes."""
+    if isinstance(raw, (bytes, str)) and len(raw) <= MAX_RECORD_BYTES:
+        try:
+            obj = json.loads(raw)
+        except (ValueError, RecursionError):
+            return None
+    else:
+        obj = raw
+    if not isinstance(obj, dict):
+        return None
+    record: dict[str, Any] = {k: obj[k] for k in ("host", "name", "id") if valid_label(obj.get(k))}
+    pid = obj.get("pid")
+    if isinstance(pid, int) and not isinstance(pid, bool) and 0 <= pid <= INT64_MAX:
+        record["pid"] = pid
+    for key in ("started", "updated"):
+        value = obj.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            record[key] = float(value)
+    return record
+
+
+def clean_snapshot(data: Any) -> dict[str, Any] | None:
+    """A snapshot (file) as read back, its counters and histograms checked like the Redis fields, its process
+    record like :func:`process_record`; None when it is no snapshot at all."""
+    if not isinstance(data, dict) or not isinstance(data.get("counters"), list):
+        return None
+    clean = snapshot_from_fields(snapshot_fields(data))
+    if "process" in data:
+        clean["process"] = process_record(data["process"]) or {}
+    return clean
 
 
 class SnapshotFiles(StatsSink):
@@ -160,14 +226,16 @@ def read_redis_stats(url: str) -> dict[str, Any]:
 
 
 def read_snapshot_files(directory: str | os.PathLike[str]) -> dict[str, Any]:
-    """The deployment view of one host's per-process snapshot files (unreadable files are skipped)."""
+    """The deployment view of one host's per-process snapshot files (unreadable or malformed files are skipped;
+    at most ``MAX_PROCESSES`` files)."""
     processes = []
-    for path in sorted(Path(directory).glob("*.json")):
+    for path in itertools.islice(sorted(Path(directory).glob("*.json")), MAX_PROCESSES):
         try:
             data = json.loads(path.read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             continue
-        if isinstance(data, dict) and "counters" in data:
-            processes.append(data)
+        clean = clean_snapshot(data)
+        if clean is not None:
+            processes.append(clean)
     total = merge_snapshots(processes)
     return {**total, "processes": processes}

@@ -24,3 +24,19 @@ def test_roles_are_checked() -> None:
     consumer = acl_setuser("consumer", "u", "p")
     assert "+set" not in consumer and "+del" not in consumer and "+hsetnx" not in consumer
     assert "~scd:sp:*" in acl_setuser("producer", "u", "p", "sp")
+
+
+def test_no_consumer_command_can_change_a_blob() -> None:
+    """Static half of integration_tests/test_redis_roles.py (which plays each command on a real server): the
+    consumer's only keys it may write are the counters and reports, and it holds no selector (the old one let
+    ``PEXPIRE key 0`` delete any blob)."""
+    consumer = acl_setuser("consumer", "u", "p")
+    writable = [a for a in consumer if a.startswith("~") or a.startswith("%W") or a.startswith("%RW")]
+    assert writable == ["~scd:__stats__*"] and not any(a.startswith("(") for a in consumer)
+    for command in ("+pexpire", "+persist", "+del", "+unlink", "+set", "+hdel", "+getex", "+getdel", "+rename"):
+        assert command not in consumer
+    producer = acl_setuser("producer", "u", "p", "sp")
+    assert "~scd:__registry__:canaries:sp" in producer and "%W~scd:__registry__:canaries" not in producer
+    assert "+hkeys" not in producer and "+hscan" in producer
+    with pytest.raises(ValueError, match="space id"):
+        acl_setuser("producer", "u", "p", "*")  # a glob would reach every space

@@ -113,3 +113,54 @@ def test_atomic_write_leaves_no_temp_files(tmp_path) -> None:
         reg.register_space(Space(f"s{i}", "m", "f", "b"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.json.lock"]
     assert len(reg.spaces()) == 5
+
+
+def test_the_registry_directory_is_made_private_and_a_writable_one_refused(tmp_path) -> None:
+    """Whoever may write the registry's directory can swap the file (un-revoke a pair, register a space)."""
+    import os
+    import stat
+
+    from scd_store.store.fs_safety import UnsafePath
+
+    reg = FileRegistry(tmp_path / "new" / "deeper" / "r.json")
+    assert stat.S_IMODE(os.stat(tmp_path / "new" / "deeper").st_mode) == 0o700
+    reg.register_space(SPACE)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)  # world-writable, as /tmp without the sticky bit
+    with pytest.raises(UnsafePath, match="registry directory"):
+        FileRegistry(shared / "r.json")
+    os.chmod(shared, 0o775)  # group-writable
+    with pytest.raises(UnsafePath, match="registry directory"):
+        FileRegistry(shared / "r.json")
+
+
+def test_a_registry_file_others_may_write_is_refused(tmp_path) -> None:
+    import os
+
+    from scd_store.store.fs_safety import UnsafePath
+
+    path = tmp_path / "r.json"
+    reg = FileRegistry(path)
+    reg.register_space(SPACE)
+    assert reg.space("sp", "bundle-fp") == SPACE
+    os.chmod(path, 0o666)  # someone made it writable for everyone: refused at once and on every read
+    with pytest.raises(UnsafePath, match="registry file"):
+        FileRegistry(path)
+    with pytest.raises(UnsafePath, match="registry file"):
+        reg.space("sp", "bundle-fp")
+    with pytest.raises(UnsafePath, match="registry file"):
+        reg.register_space(Space("s2", "m", "f", "b"))
+    os.chmod(path, 0o620)  # group-writable
+    with pytest.raises(UnsafePath, match="registry file"):
+        reg.version()
+    os.chmod(path, 0o644)  # others may read it: a registry is not secret
+    assert reg.space("sp", "bundle-fp") == SPACE
+
+
+def test_canaries_are_kept_per_space(tmp_path) -> None:
+    reg = FileRegistry(tmp_path / "r.json")
+    reg.record_canary("sp", "vllm", {"value": "a"})
+    reg.record_canary("sp2", "vllm", {"value": "b"})
+    reg.record_canary("sp", "vllm", {"value": "c"})  # replaces its own
+    assert reg.canaries("sp") == {"vllm": {"value": "c"}} and reg.canaries("sp2") == {"vllm": {"value": "b"}}

@@ -56,3 +56,18 @@ def test_http_endpoint() -> None:
     finally:
         stats.stop_http()
     assert 'scd_store_puts_total{pair="",space="s",tier=""} 7.0' in body
+
+
+def test_only_fields_of_the_schema_are_accepted() -> None:
+    """What any process (a consumer too) may have written to the shared hashes: junk is skipped, never fatal."""
+    from scd_store.store.stats import INT64_MAX, accepted_fields
+
+    raw = {b"c|lookups|cpu|s|p": b"5", "c|puts|||": INT64_MAX, b"h|get|cpu||16": b"2",  # all of the schema
+           b"c|nope|||": b"1", b"c|lookups|||": b"1.5", b"c|lookups|a||": b"-1", b"c|lookups|b||": b"9" * 20,
+           b"c|lookups|c||": str(INT64_MAX + 1).encode(), b"c|lookups|d||": b"", b"c|lookups|e||": b" 1",
+           b"c|lookups|f||": True, b"c|lookups|g||": 1.0, b"c|lookups|" + b"t" * 257 + b"||": b"1",
+           b"c|lookups|\x1b||": b"1", "c|lookups|\u00e9||": b"1", b"\xff|lookups|||": b"1", b"c|lookups||": b"1",
+           b"h|get|||17": b"1", b"h|get|||-1": b"1", b"h|get|||x": b"1", b"x|get|||1": b"1", b"garbage": b"1"}
+    assert accepted_fields(raw) == {"c|lookups|cpu|s|p": 5, "c|puts|||": INT64_MAX, "h|get|cpu||16": 2}
+    snap = snapshot_from_fields(accepted_fields(raw))
+    assert [c["value"] for c in snap["counters"]] == [5, INT64_MAX] and snap["latency"][0]["count"] == 2

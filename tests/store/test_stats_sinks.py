@@ -63,3 +63,29 @@ def test_files_of_long_gone_processes_are_pruned(tmp_path):
         os.utime(path, (1000, 1000))  # written long ago
     SnapshotFiles(tmp_path, me)
     assert not gone.exists() and recent.exists() and alive.exists() and elsewhere.exists()
+
+
+def test_damaged_snapshot_files_are_skipped_or_cleaned(tmp_path):
+    """Snapshot files with junk of every kind: skipped (not a snapshot) or cleaned (fields not of the schema)."""
+    from scd_store.store.stats_sinks import process_record
+
+    SnapshotFiles(tmp_path, ProcessInfo("host", 100, "engine-a")).flush(counted(1024, 512, 0.002))
+    junk = {"deep.json": "[" * 100_000, "list.json": "[1, 2]", "no-counters.json": '{"counters": 3}',
+            "bad-entries.json": json.dumps({
+                "process": {"id": "[/x]", "pid": "one", "updated": "now", "host": 3},
+                "counters": [1, None, {"name": "puts", "tier": "", "space": "s", "pair": "", "value": "many"},
+                             {"name": "puts", "tier": "", "space": "s", "pair": "", "value": 2 ** 70},
+                             {"name": "nope", "tier": "", "space": "s", "pair": "", "value": 1},
+                             {"name": "puts", "tier": "", "space": "s", "pair": "", "value": 3}],
+                "latency": [{"op": "get", "tier": "", "pair": "", "buckets": ["x", 1.5, -1, 4] + [9] * 40}, 7]})}
+    for name, text in junk.items():
+        (tmp_path / name).write_text(text)
+    view = read_snapshot_files(tmp_path)
+    assert sorted(p["process"].get("id", "") for p in view["processes"]) == ["[/x]", "host-100"]
+    cleaned = next(p for p in view["processes"] if p["process"].get("id") == "[/x]")
+    assert cleaned["process"] == {"id": "[/x]"}
+    assert cleaned["counters"] == [{"name": "puts", "tier": "", "space": "s", "pair": "", "value": 3}]
+    assert cleaned["latency"][0]["buckets"][3] == 4 and cleaned["latency"][0]["count"] == 4 + 9 * 13
+    assert {c["name"] for c in view["counters"]} >= {"puts", "requested_tokens"}
+    assert process_record("[" * 3000) is None and process_record(b"x" * 5000) is None
+    assert process_record('{"updated": NaN, "started": 1e999, "pid": true}') == {}

@@ -40,7 +40,7 @@ class Tier(ABC):
     kind: str = "tier"
     local: bool = False
     shared: bool = False  # other hosts' processes read it (Redis, peers): readers never delete there
-    expires: bool = False  # blobs have a TTL that verified hits refresh (touch_many)
+    expires: bool = False  # blobs have a TTL that verified hits refresh (report_hits, then touch_many)
     max_value_bytes: int | None = None  # the largest blob the tier stores (None: no bound of its own)
 
     def __init__(self, name: str | None = None) -> None:
@@ -113,9 +113,16 @@ class Tier(ABC):
     async def delete_many(self, keys: Sequence[str]) -> int:
         return sum([await self.delete(k) for k in keys])
 
-    # shared tiers only: readers may not delete there, so they report what they found bad to the producer
-    async def touch_many(self, keys: Sequence[str]) -> None:
-        """Extend the life of verified hits (a tier with a TTL refreshes it); default: nothing."""
+    # shared tiers only: readers may neither delete nor expire there, so they report to the space's producer,
+    # which verifies what readers found bad and refreshes the TTL of the hits they reported (ReadPath.repair)
+    async def touch_many(self, keys: Sequence[str]) -> int:
+        """The producer's refresh of the TTL of ``keys`` (a tier with a TTL); how many it refreshed (keys
+        that are gone are not brought back). Default: none."""
+        return 0
+
+    async def report_hits(self, scope: str, keys: Sequence[str]) -> None:
+        """Note verified hits of ``scope`` (``{space_id}:{generation}``), so its producer refreshes their TTL;
+        default: nothing."""
         return None
 
     async def report_suspects(self, scope: str, keys: Sequence[str]) -> None:
@@ -123,9 +130,14 @@ class Tier(ABC):
         default: nothing."""
         return None
 
-    async def take_suspects(self, scope: str, limit: int) -> list[str]:
-        """Up to ``limit`` reported keys of ``scope``, removed from the report; default: none."""
+    async def reports(self, kind: str, scope: str, limit: int) -> list[str]:
+        """Up to ``limit`` keys readers reported in ``scope`` (``kind``: ``"hits"`` or ``"suspects"``), left
+        in place until :meth:`clear_reports`; default: none. Anyone may have written them: verify each."""
         return []
+
+    async def clear_reports(self, kind: str, scope: str, keys: Sequence[str]) -> None:
+        """Remove processed reports (as :meth:`reports` returned them); default: nothing."""
+        return None
 
 
 class LocalTier(Tier):

@@ -1,14 +1,20 @@
 """The Redis tier: shared, remote blobs through redis-py asyncio (hiredis parser when installed).
 
 Each blob is written with ONE ``SET`` (optionally with a TTL), which Redis applies atomically: a
-reader sees the whole old value, the whole new value or nothing. With a TTL every verified hit
-refreshes it (``PEXPIRE`` after the read path checked the blob: a bad blob is never kept alive), so
-blobs in use stay and the rest expire. Readers may not delete: they report bad keys in
-``scd:__stats__:suspects:{space}:{generation}`` (a hash readers may write), where the space's
-producer takes them, verifies them itself and deletes or repairs them. Values above
+reader sees the whole old value, the whole new value or nothing. Readers may neither delete nor
+expire a blob (their ACL user has no command that could): they report to the space's producer in
+two hashes readers may write, each with a TTL (:data:`REPORT_TTL_S`, refreshed by every report):
+
+- ``scd:__stats__:hits:{space}:{generation}``: verified hits (key -> unix time); the producer refreshes
+  those blobs' TTL (``PEXPIRE`` with the tier's TTL), so blobs in use stay and the rest expire;
+- ``scd:__stats__:suspects:{space}:{generation}``: keys readers found bad; the producer verifies them
+  itself and deletes or repairs them.
+
+The producer reads either with ``HSCAN`` (bounded per round) and removes a report (``HDEL``) only
+once it processed it (:meth:`~scd_store.store.read_path.ReadPath.repair`). Values above
 ``max_value_bytes`` are refused (counted in ``rejected``). A total byte budget is the server's job:
-``maxmemory`` with ``maxmemory-policy volatile-lru``, which evicts only keys with a TTL (blobs),
-never the registry or the counters (docs/store.md). The tier changes no server setting unless
+``maxmemory`` with ``maxmemory-policy volatile-lru``, which evicts only keys with a TTL (blobs,
+counters, reports), never the registry (docs/store.md). The tier changes no server setting unless
 ``server_maxmemory`` asks it to (``CONFIG SET`` needs an admin user).
 """
 
@@ -27,6 +33,11 @@ from scd_store.store.tiers.base import Tier, TierUsage
 
 T = TypeVar("T")
 SUSPECTS = "scd:__stats__:suspects"  # + ":{space_id}:{generation}": keys readers found bad (key -> unix time)
+HITS = "scd:__stats__:hits"  # + ":{space_id}:{generation}": verified hits whose TTL to refresh (key -> unix time)
+REPORTS = {"hits": HITS, "suspects": SUSPECTS}
+REPORT_TTL_S = 24 * 3600  # a report hash no producer takes ends (refreshed by every report)
+SCAN_COUNT = 512  # fields per HSCAN call
+MAX_SCAN_CALLS = 64  # HSCAN calls per reports() call, whatever the hash holds
 
 
 class RedisTier(Tier):
@@ -146,28 +157,67 @@ class RedisTier(Tier):
             return 0
         return int(await self._run(lambda c: c.delete(*keys)))  # the cluster client splits it by slot
 
-    async def touch_many(self, keys: Sequence[str]) -> None:
+    async def touch_many(self, keys: Sequence[str]) -> int:
         if self.ttl_ms is None or not keys:
-            return
-        async def touch(client: Any) -> None:
+            return 0
+        async def touch(client: Any) -> list[Any]:
             pipe = client.pipeline(transaction=False)
             for key in keys:
-                pipe.pexpire(key, self.ttl_ms)
+                pipe.pexpire(key, self.ttl_ms)  # a positive TTL; a key that is gone stays gone
+            return await pipe.execute()
+
+        return sum(bool(n) for n in await self._run(touch))
+
+    async def _report(self, kind: str, scope: str, keys: Sequence[str]) -> None:
+        if not keys:
+            return
+        name = _report_key(kind, scope)
+        stamp = str(int(time.time()))
+        async def write(client: Any) -> None:
+            pipe = client.pipeline(transaction=False)
+            pipe.hset(name, mapping=dict.fromkeys(keys, stamp))
+            pipe.expire(name, REPORT_TTL_S)
             await pipe.execute()
 
-        await self._run(touch)
+        await self._run(write)
+
+    async def report_hits(self, scope: str, keys: Sequence[str]) -> None:
+        await self._report("hits", scope, keys)
 
     async def report_suspects(self, scope: str, keys: Sequence[str]) -> None:
-        if keys:
-            stamp = str(int(time.time()))
-            await self._run(lambda c: c.hset(f"{SUSPECTS}:{scope}", mapping=dict.fromkeys(keys, stamp)))
+        await self._report("suspects", scope, keys)
 
-    async def take_suspects(self, scope: str, limit: int) -> list[str]:
-        found = await self._run(lambda c: c.hkeys(f"{SUSPECTS}:{scope}"))
-        keys = [k.decode() if isinstance(k, bytes) else k for k in found[:limit]]
+    async def reports(self, kind: str, scope: str, limit: int) -> list[str]:
+        name = _report_key(kind, scope)
+        async def scan(client: Any) -> list[str]:
+            found: dict[str, None] = {}
+            cursor = 0
+            for _ in range(MAX_SCAN_CALLS):
+                cursor, batch = await client.hscan(name, cursor, count=SCAN_COUNT)
+                for field in batch:
+                    found.setdefault(_text(field))
+                if not cursor or len(found) >= limit:
+                    break
+            return list(found)[:limit]
+
+        return await self._run(scan) if limit > 0 else []
+
+    async def clear_reports(self, kind: str, scope: str, keys: Sequence[str]) -> None:
         if keys:
-            await self._run(lambda c: c.hdel(f"{SUSPECTS}:{scope}", *keys))
-        return keys
+            name = _report_key(kind, scope)
+            fields = [k.encode("utf-8", "surrogateescape") for k in keys]  # the bytes reports() read
+            await self._run(lambda c: c.hdel(name, *fields))
 
     def usage(self) -> TierUsage:
         return TierUsage(0, self.bytes_written, self.server_maxmemory)
+
+
+def _report_key(kind: str, scope: str) -> str:
+    if kind not in REPORTS:
+        raise ValueError(f"report kind must be one of {sorted(REPORTS)}, got {kind!r}")
+    return f"{REPORTS[kind]}:{scope}"
+
+
+def _text(field: bytes | str) -> str:
+    """A hash field as text; bytes that are no UTF-8 survive (surrogateescape), so clear_reports removes them."""
+    return field.decode("utf-8", "surrogateescape") if isinstance(field, bytes) else field
