@@ -1,10 +1,15 @@
 """``scd-store bench soak``: one producer and ``processes`` consumer processes on one Redis while faults hit.
 
 Each process (:mod:`scd_store.bench.fault_worker`) is its own OS process with its own least-privilege
-Redis user (:mod:`scd_store.store.redis_acl`, loaded from an ACL file so a restart keeps them), one
-signing keyring, a small CPU tier (so reads go to Redis) and, for the producer, a disk tier. The
-registry is written once by the operator user; Redis runs with an append-only file, so it survives
-the kills. Faults, at fixed fractions of ``duration_s``:
+Redis user (:mod:`scd_store.store.redis_acl`, loaded from an ACL file so a restart keeps them), a small
+CPU tier (so reads go to lower tiers) and a disk tier: the producer its own, the consumers one they share
+(as the processes of one host do). The producer signs with the private key, the consumers hold the
+public one. The registry is written once by the operator user; Redis runs with an append-only file, so
+it survives the kills. A rogue consumer (:mod:`scd_store.bench.fault_rogue`: its own consumer user and
+public keys) attacks all run long: it claims the producer's role, signs blobs with keys of its own, plants
+symlinks and FIFOs in the consumers' disk tier, tries ``PEXPIRE key 0`` and friends, and forges suspect
+reports against genuine blobs of this generation and of the next one. Faults, at fixed fractions of
+``duration_s``:
 
 - blob waves (0.15, 0.35, 0.55): blobs in Redis corrupted (one flipped byte), forged (well formed,
   signed with another key) and moved (a genuine blob under another chunk's key);
@@ -14,8 +19,10 @@ the kills. Faults, at fixed fractions of ``duration_s``:
 - the pair revoked (0.80): every consumer must refuse within ``registry_refresh_s`` plus a read.
 
 The report counts what was injected, what the processes detected (their counters), what became of
-each injected blob (repaired, gone, still there), requests completed and failed, and garbage decodes:
-chunks served whose bytes are not their key's payload (must be 0).
+each injected blob (repaired, gone, still there), requests completed and failed, garbage decodes
+(chunks served whose bytes are not their key's payload: must be 0), what the rogue got through (must
+be nothing), whether every blob it reported is still there and genuine, and whether every put the
+producer acknowledged is in Redis at the end or counted as lost.
 """
 
 from __future__ import annotations
@@ -31,7 +38,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from scd_store.bench.fault_worker import CHUNK, CONSUMER, FINGERPRINT, PAIR, PRODUCER, SPACE, payload_for
+from scd_store.bench.fault_worker import (
+    CHUNK,
+    CONSUMER,
+    FINGERPRINT,
+    OTHER_FINGERPRINT,
+    PAIR,
+    PRODUCER,
+    SPACE,
+    other_generation_keys,
+    payload_for,
+)
 from scd_store.store.redis_acl import acl_setuser
 
 KINDS = ("corrupted", "forged", "moved")
@@ -89,8 +106,8 @@ class _Redis:
 
 def _mount_tmpfs(path: Path, size: int) -> bool:
     path.mkdir(parents=True, exist_ok=True)
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True,
-                          check=False).returncode == 0
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
+                          capture_output=True, check=False).returncode == 0
 
 
 class _Injector:
@@ -111,7 +128,7 @@ class _Injector:
                 if k.decode() not in self.injected]
         chosen = self.rng.sample(keys, min(len(keys), 3 * per_kind + 1))
         done = dict.fromkeys(KINDS, 0)
-        attacker = SigningKey("k1", bytes(range(32)))  # the real key id, another secret
+        attacker = SigningKey("deployment", bytes(range(32)))  # the real key id, another private key
         for i, key in enumerate(chosen[:3 * per_kind]):
             kind = KINDS[i % 3]
             value = self.client.get(key)
@@ -130,37 +147,52 @@ class _Injector:
             done[kind] += 1
         return done
 
-    def outcomes(self, payload_bytes: int, keyring_path: Path) -> dict[str, dict[str, int]]:
-        """Per kind: injected blobs now repaired (a genuine blob again), gone, or still the injected bytes."""
+    def genuine(self, key: str, payload_bytes: int, keyring: Any) -> bool | None:
+        """Whether Redis holds ``key``'s genuine blob (None: it holds nothing)."""
         from scd_store.store.blob import BlobError, decode_blob
-        from scd_store.store.signing import Keyring
 
-        keyring = Keyring(keyring_path)
+        value = self.client.get(key)
+        if value is None:
+            return None
+        try:
+            blob = decode_blob(value, key=key, space_id=SPACE, keyring=keyring)
+        except BlobError:
+            return False
+        return bytes(blob.payload) == payload_for(key, payload_bytes)
+
+    def outcomes(self, payload_bytes: int, keyring: Any) -> dict[str, dict[str, int]]:
+        """Per kind: injected blobs now repaired (a genuine blob again), gone, or still the injected bytes."""
         out = {kind: {"repaired": 0, "gone": 0, "still_there": 0} for kind in KINDS}
-        for key, (kind, bad) in self.injected.items():
-            value = self.client.get(key)
-            if value is None:
-                out[kind]["gone"] += 1
-            elif value == bad:
-                out[kind]["still_there"] += 1
-            else:
-                try:
-                    blob = decode_blob(value, key=key, space_id=SPACE, keyring=keyring)
-                    genuine = bytes(blob.payload) == payload_for(key, payload_bytes)
-                except BlobError:
-                    genuine = False
-                out[kind]["repaired" if genuine else "still_there"] += 1
+        for key, (kind, _) in self.injected.items():
+            state = self.genuine(key, payload_bytes, keyring)
+            out[kind]["gone" if state is None else "repaired" if state else "still_there"] += 1
         return out
+
+    def plant_next_generation(self, payload_bytes: int, signer: Any) -> list[str]:
+        """Genuine blobs of the space's next generation (a rollout in progress): nothing may delete them."""
+        from scd_store.store.blob import BlobMeta, encode_blob
+
+        keys = other_generation_keys()
+        for key in keys:
+            self.client.set(key, encode_blob(BlobMeta("raw", OTHER_FINGERPRINT, CHUNK), payload_for(key, payload_bytes),
+                                             key=key, signer=signer))
+        return keys
+
+
+def _spawn(spec: dict[str, Any]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", "scd_store.bench.fault_worker", json.dumps(spec)])
 
 
 def run_fault_soak(config: FaultSoakConfig) -> dict[str, Any]:
+    from scd_store.store.host_keys import deployment_keys
     from scd_store.store.records import Pair, Space
     from scd_store.store.registry import RedisRegistry
+    from scd_store.store.signing import Keyring
 
     rng = random.Random(config.seed)
     with tempfile.TemporaryDirectory(prefix="scd-soak-") as tmp:
         work = Path(tmp)
-        (work / "keys").write_text(f"k1 {'5c' * 32}\n")
+        private, public = deployment_keys(work / "keys")
         redis = _Redis(work)
         redis.start()
         disk = work / "disk"
@@ -169,19 +201,22 @@ def run_fault_soak(config: FaultSoakConfig) -> dict[str, Any]:
         operator.register_space(Space(SPACE, PRODUCER, "soak-producer-fp", FINGERPRINT, codec_id="raw",
                                       chunk_size=CHUNK))
         operator.register_pair(Pair(PAIR, SPACE, CONSUMER, "soak-consumer-fp", "soak-pair-fp", FINGERPRINT))
-        stop = work / "stop"
-        procs = []
-        common = {"stop": str(stop), "keyring": str(work / "keys"), "prefixes": config.prefixes,
-                  "chunks": config.chunks, "payload_bytes": config.payload_bytes, "ttl_s": config.ttl_s,
-                  "registry_refresh_s": config.registry_refresh_s, "pause_s": 0.01,
-                  "duration_s": config.duration_s}
-        for i in range(config.processes + 1):
-            role = "producer" if i == 0 else "consumer"
-            spec = {**common, "role": role, "seed": config.seed * 1000 + i, "url": redis.url(role),
-                    "out": str(work / f"worker{i}.json"), "cpu_bytes": 256 << 10 if role == "producer" else 128 << 10,
-                    "disk": str(disk) if role == "producer" else None, "disk_bytes": 8 << 20}
-            procs.append(subprocess.Popen([sys.executable, "-m", "scd_store.bench.fault_worker", json.dumps(spec)]))
         injector = _Injector(redis.url(), rng)
+        next_generation = injector.plant_next_generation(config.payload_bytes, Keyring(private).signer(SPACE))
+        stop = work / "stop"
+        common = {"stop": str(stop), "prefixes": config.prefixes, "chunks": config.chunks,
+                  "payload_bytes": config.payload_bytes, "ttl_s": config.ttl_s,
+                  "registry_refresh_s": config.registry_refresh_s, "pause_s": 0.01, "duration_s": config.duration_s,
+                  "disk_bytes": 8 << 20}
+        roles = ["producer", *["consumer"] * config.processes, "rogue"]
+        procs = []
+        for i, role in enumerate(roles):
+            user = "producer" if role == "producer" else "consumer"
+            procs.append(_spawn({**common, "role": role, "seed": config.seed * 1000 + i, "url": redis.url(user),
+                                 "keyring": str(private if role == "producer" else public),
+                                 "out": str(work / f"worker{i}.json"),
+                                 "cpu_bytes": 256 << 10 if role == "producer" else 128 << 10,
+                                 "disk": str(disk if role == "producer" else work / "consumer-disk")}))
         injected: dict[str, Any] = {"redis_kills": 0, "disk_fills": 0, "revocations": 0,
                                     **dict.fromkeys(KINDS, 0)}
         t0 = time.monotonic()
@@ -217,18 +252,42 @@ def run_fault_soak(config: FaultSoakConfig) -> dict[str, Any]:
         codes = [p.wait(timeout=120) for p in procs]
         reports = [json.loads((work / f"worker{i}.json").read_text()) if (work / f"worker{i}.json").exists() else {}
                    for i in range(len(procs))]
-        outcomes = injector.outcomes(config.payload_bytes, work / "keys")
+        verifier = Keyring(public)
+        outcomes = injector.outcomes(config.payload_bytes, verifier)
+        integrity = _integrity(injector, reports, next_generation, config.payload_bytes, verifier)
         injector.client.close()
         operator.close()
         redis.kill()
         if mounted:
             subprocess.run(["umount", str(disk)], check=False)
-    return _report(config, codes, reports, injected, outcomes, revoked_at, mounted)
+    return _report(config, codes, reports, injected, outcomes, integrity, revoked_at, mounted)
+
+
+def _integrity(injector: _Injector, reports: list[dict[str, Any]], next_generation: list[str], payload_bytes: int,
+               verifier: Any) -> dict[str, Any]:
+    """What the rogue's forged reports and the faults did to genuine blobs, and whether every acknowledged put
+    is in Redis or counted as lost there."""
+    producer, rogue = reports[0], reports[-1].get("rogue", {})
+    reported = [k for k in rogue.get("reported_keys", []) if k not in injector.injected]
+    this_generation = [k for k in reported if k not in next_generation]
+    kept = sum(bool(injector.genuine(k, payload_bytes, verifier)) for k in this_generation
+               if injector.client.exists(k))  # a reported key the producer never wrote is no loss
+    next_kept = sum(injector.client.get(k) is not None for k in next_generation)
+    acknowledged = producer.get("acknowledged", [])
+    missing = [k for k in acknowledged if not injector.client.exists(k)]
+    lost = producer.get("tier_counters", {}).get("redis", {}).get("lost_writes", 0)
+    return {"rogue_attacks": rogue.get("attacks", {}),
+            "rogue_got_through": sum(a["got_through"] for a in rogue.get("attacks", {}).values()),
+            "reported_genuine": sum(injector.client.exists(k) > 0 for k in this_generation), "reported_kept": kept,
+            "next_generation_blobs": len(next_generation), "next_generation_kept": next_kept,
+            "acknowledged_puts": len(acknowledged), "acknowledged_missing_in_redis": len(missing),
+            "counted_lost_in_redis": lost, "lost_uncounted": max(0, len(missing) - lost)}
 
 
 def _report(config: FaultSoakConfig, codes: list[int], reports: list[dict[str, Any]], injected: dict[str, Any],
-            outcomes: dict[str, dict[str, int]], revoked_at: float | None, mounted: bool) -> dict[str, Any]:
-    producer, consumers = reports[0], reports[1:]
+            outcomes: dict[str, dict[str, int]], integrity: dict[str, Any], revoked_at: float | None,
+            mounted: bool) -> dict[str, Any]:
+    producer, consumers = reports[0], reports[1:-1]
 
     def total(name: str, of: list[dict[str, Any]]) -> int:
         return sum(r.get("counters", {}).get(name, 0) for r in of)
@@ -237,17 +296,24 @@ def _report(config: FaultSoakConfig, codes: list[int], reports: list[dict[str, A
                       if revoked_at is not None and r.get("first_refusal_at")]
     detected = {
         "bad_signatures": total("bad_signatures", consumers), "corrupt_blobs": total("corrupt_blobs", consumers),
+        "unsafe_files": total("unsafe_files", consumers),
         "quarantined_by_producer": total("quarantined_blobs", [producer]),
         "repaired_by_producer": total("repaired_blobs", [producer]),
+        "refused_reports": total("refused_reports", [producer]), "ttl_refreshes": total("ttl_refreshes", [producer]),
+        "rogue_unsigned_puts": total("unsigned_puts", reports[-1:]),
         "redis_incidents": sum(r.get("incidents", {}).get("redis", 0) for r in reports),
         "disk_errors": producer.get("tier_counters", {}).get("disk", {}).get("tier_errors", 0) if mounted else 0,
         "consumers_refusing_after_revocation": len(refusal_delays),
     }
     garbage = sum(r.get("garbage", 0) for r in consumers)
     ok = (garbage == 0 and all(c == 0 for c in codes) and len(refusal_delays) == config.processes
-          and max(refusal_delays, default=0.0) < config.registry_refresh_s + 2.0)
+          and max(refusal_delays, default=0.0) < config.registry_refresh_s + 2.0
+          and integrity["rogue_got_through"] == 0 and integrity["reported_kept"] == integrity["reported_genuine"]
+          and integrity["next_generation_kept"] == integrity["next_generation_blobs"]
+          and integrity["lost_uncounted"] == 0)
     return {
         "ok": ok, "garbage_decodes": garbage, "injected": injected, "detected": detected, "outcomes": outcomes,
+        "integrity": integrity,
         "not_injected": [] if mounted else ["disk fill: cannot mount a tmpfs here (needs root)"],
         "requests": {"completed": sum(r.get("requests", 0) for r in reports),
                      "failed": sum(r.get("errors", 0) for r in reports),

@@ -1,8 +1,10 @@
-"""One process of the fault soak (:mod:`scd_store.bench.fault_soak`): the producer or a consumer.
+"""One process of the fault soak (:mod:`scd_store.bench.fault_soak`): the producer, a consumer or the rogue
+consumer (:mod:`scd_store.bench.fault_rogue`).
 
 Run as ``python -m scd_store.bench.fault_worker JSON``; it works until its stop file appears and writes
 one JSON report (no pickle). Payloads are a pure function of their key (:func:`payload_for`), so every
-chunk a consumer is served is checked byte for byte.
+chunk a consumer is served is checked byte for byte. The producer signs with the private key; consumers
+and the rogue hold the public one.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 SPACE, PAIR, PRODUCER, CONSUMER, FINGERPRINT = "soak", "soak/consumer", "soak-producer", "soak-consumer", "soak-fp"
+OTHER_FINGERPRINT = "soak-fp-next"  # a second generation of the space (a rollout), whose blobs must never be deleted
 CHUNK = 4
 
 
@@ -24,6 +27,17 @@ def prefix_hashes(index: int, chunks: int) -> list[bytes]:
     from scd_store.store.keys import chunk_hashes
 
     return chunk_hashes([index * 1000 + t for t in range(chunks * CHUNK)], CHUNK)
+
+
+def store_keys(index: int, chunks: int, fingerprint: str = FINGERPRINT) -> list[str]:
+    from scd_store.store.keys import generation_of, hash_keys
+
+    return hash_keys(SPACE, generation_of(fingerprint), prefix_hashes(index, chunks))
+
+
+def other_generation_keys() -> list[str]:
+    """Keys of the next generation's blobs the harness writes at the start (never to be deleted by the soak)."""
+    return [k for i in range(2) for k in store_keys(10_000 + i, 4, OTHER_FINGERPRINT)]
 
 
 def payload_for(key: str, size: int) -> bytes:
@@ -42,7 +56,7 @@ def _store(spec: dict[str, Any]):  # noqa: ANN202 - a TieredStore
 
     tiers: list[Any] = [CpuTier(spec["cpu_bytes"])]
     if spec.get("disk"):
-        tiers.append(DiskTier(spec["disk"], spec["disk_bytes"], rescan_s=None))
+        tiers.append(DiskTier(spec["disk"], spec["disk_bytes"], rescan_s=None, max_value_bytes=1 << 20))
     tiers.append(RedisTier(spec["url"], ttl_s=spec["ttl_s"], socket_timeout=1.0, connect_timeout=0.5))
     return TieredStore(tiers, RedisRegistry(spec["url"]), chunk_size=CHUNK, op_timeout_s=1.0, put_timeout_s=2.0,
                        backoff_min_s=0.05, backoff_max_s=0.5, keyring=Keyring(spec["keyring"]),
@@ -61,6 +75,7 @@ def _counters(store: Any) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
 
 
 def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    from scd_store.bench.fault_rogue import Rogue
     from scd_store.store.records import NotRegistered
 
     stop = Path(spec["stop"])
@@ -68,6 +83,8 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     store = _store(spec)
     report: dict[str, Any] = {"role": spec["role"], "requests": 0, "errors": 0, "first_error": "", "served": 0,
                               "garbage": 0, "refusals": 0, "first_refusal_at": None, "puts": 0}
+    acknowledged: set[str] = set()
+    rogue = Rogue(spec, store, lambda i: store_keys(i, spec["chunks"]), rng) if spec["role"] == "rogue" else None
     latencies: list[float] = []
     started = time.monotonic()
     try:
@@ -79,13 +96,17 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
             hashes = prefix_hashes(rng.randrange(reach), spec["chunks"])
             t0 = time.perf_counter()
             try:
-                if spec["role"] == "producer":
+                if rogue is not None:
+                    rogue.round()
+                elif spec["role"] == "producer":
                     view = store.producer(SPACE, PRODUCER, FINGERPRINT)
                     have = view.lookup(hashes).hit_chunks
                     if have < len(hashes):
                         keys = view.keys(hashes)
-                        report["puts"] += len(view.put(hashes, [payload_for(k, spec["payload_bytes"]) for k in keys],
-                                                       [CHUNK] * len(keys), codec_id="raw"))
+                        stored = view.put(hashes, [payload_for(k, spec["payload_bytes"]) for k in keys],
+                                          [CHUNK] * len(keys), codec_id="raw")
+                        report["puts"] += len(stored)
+                        acknowledged.update(stored)
                 else:
                     chunks = store.consumer(PAIR, CONSUMER, FINGERPRINT).get(hashes)
                     report["served"] += len(chunks)
@@ -101,6 +122,10 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
                 report["first_error"] = report["first_error"] or f"{type(exc).__name__}: {exc}"
             time.sleep(spec["pause_s"])
     finally:
+        if rogue is not None:
+            report["rogue"] = rogue.report()
+            rogue.close()
+        report["acknowledged"] = sorted(acknowledged)
         report["unwritten"] = store.close(timeout=5.0)
         report["counters"], report["tier_counters"] = _counters(store)
         report["incidents"] = {name: h.incidents for name, h in store.health.items()}

@@ -122,9 +122,16 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a number a blob header may hold")
 
 
+def _finite(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"{text[:20]} overflows a float")
+    return value
+
+
 def _meta_from_json(header: bytes) -> BlobMeta:
     try:
-        obj = json.loads(header.decode("utf-8"), parse_constant=_no_constant)
+        obj = json.loads(header.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise BlobError(f"blob header is not valid UTF-8 JSON: {exc}") from None
     if not isinstance(obj, dict) or set(obj) != set(_HEADER_FIELDS):

@@ -29,13 +29,14 @@ def build_tier(cfg: TierConfig) -> Tier | None:
         from scd_store.store.tiers.disk import DiskTier
 
         return DiskTier(str(cfg.path), int(cfg.max_bytes), fsync=cfg.fsync,
-                        rescan_s=float(cfg.rescan_s) if cfg.rescan_s is not None else None)
+                        rescan_s=float(cfg.rescan_s) if cfg.rescan_s is not None else None,
+                        max_value_bytes=int(cfg.max_value_bytes))
     if cfg.kind == "peer":
         from scd_store.store.tiers.peer import PeerTier
         from scd_store.store.transfer.directory import directory_for
 
         return PeerTier(directory_for(cfg.url, cfg.path), publish_bytes=int(cfg.max_bytes) if cfg.publish else 0,
-                        transfer=cfg.transfer)
+                        transfer=cfg.transfer, max_value_bytes=int(cfg.max_value_bytes))
     if cfg.kind == "redis":
         from scd_store.store.tiers.redis_tier import RedisTier
 
