@@ -37,15 +37,20 @@ def process(role: str, bundle, yaml_path: str, env: dict) -> JsonLineProcess:
 
 
 @pytest.mark.skipif(not nixl_available(), reason="NIXL with UCX is installed by make test")
-def test_a_consumer_process_reads_a_producer_process_memory_over_nixl(tmp_path):
+def test_a_consumer_process_reads_a_producer_process_memory_over_nixl(tmp_path, signing_keys):
     bundle = tmp_path / "bundle"
     write_tiny_bundle(bundle, consumers=("consumer-a",))
     peers = tmp_path / "peers"
     env = {"SCD_STORE_HOME": str(tmp_path / "home")}
     producer = process("producer", bundle, store_yaml(tmp_path / "producer.yaml", peers, True), env)
-    consumer = process("consumer", bundle, store_yaml(tmp_path / "consumer.yaml", peers, False), env)
+    # the consumer holds the public key only: it verifies the producer's entries and blobs, and can sign nothing
+    consumer = process("consumer", bundle, store_yaml(tmp_path / "consumer.yaml", peers, False),
+                       {**env, "SCD_STORE_SIGNING_KEYS": str(signing_keys["public"])})
     try:
         assert producer.ask({"put": {"model": PRODUCER, "tokens": TOKENS, "seed": 2, "chunk": CHUNK}})["drained"]
+        (log,) = peers.glob("*.jsonl")
+        entries = [json.loads(line) for line in log.read_text().splitlines()]
+        assert len(entries) == TOKENS // CHUNK and all(e[5] == "integration" and len(e[6]) == 128 for e in entries)
         out = str(tmp_path / "got.safetensors")
         got = consumer.ask({"get": {"model": "consumer-a", "tokens": TOKENS, "chunk": CHUNK, "out": out}})
         assert got["chunks"] == TOKENS // CHUNK and got["hits_by_tier"]["peer"] == TOKENS // CHUNK
@@ -64,3 +69,32 @@ def test_a_consumer_process_reads_a_producer_process_memory_over_nixl(tmp_path):
         assert time.monotonic() - t0 < 30  # within the read timeout, not a hang
     finally:
         producer.close(), consumer.close()
+
+
+@pytest.mark.skipif(not nixl_available(), reason="NIXL with UCX is installed by make test")
+def test_a_consumer_process_refuses_a_source_info_swapped_to_another_agent(tmp_path, signing_keys):
+    from scd_store.store.transfer import SourceInfo
+    from scd_store.store.transfer.nixl_transfer import NixlBlobSource
+
+    bundle = tmp_path / "bundle"
+    write_tiny_bundle(bundle, consumers=("consumer-a",))
+    peers = tmp_path / "peers"
+    env = {"SCD_STORE_HOME": str(tmp_path / "home")}
+    producer = process("producer", bundle, store_yaml(tmp_path / "producer.yaml", peers, True), env)
+    consumer = process("consumer", bundle, store_yaml(tmp_path / "consumer.yaml", peers, False),
+                       {**env, "SCD_STORE_SIGNING_KEYS": str(signing_keys["public"])})
+    attacker = NixlBlobSource(1 << 20)  # an agent of whoever can write the directory
+    try:
+        assert producer.ask({"put": {"model": PRODUCER, "tokens": TOKENS, "seed": 2, "chunk": CHUNK}})["drained"]
+        (info_path,) = peers.glob("*.info")
+        genuine, evil = info_path.read_bytes(), attacker.info()
+        info_path.write_bytes(SourceInfo(info_path.stem, "nixl", "DRAM", evil.base, evil.size, 0,
+                                         evil.agent_metadata).to_bytes())
+        ask = {"model": "consumer-a", "tokens": TOKENS, "chunk": CHUNK, "out": str(tmp_path / "got.safetensors")}
+        refused = consumer.ask({"get": ask})
+        assert refused["chunks"] == 0 and refused["hits_by_tier"]["peer"] == 0
+        info_path.write_bytes(genuine)
+        assert consumer.ask({"get": ask})["hits_by_tier"]["peer"] == TOKENS // CHUNK
+    finally:
+        producer.close(), consumer.close()
+        attacker.close()

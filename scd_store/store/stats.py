@@ -48,6 +48,8 @@ COUNTERS: dict[str, str] = {
     "ttl_refreshes": "blob TTLs a producer refreshed from the hits its readers reported",
     "refused_reports": "reported keys (hits or bad blobs) outside the reporter's space generation, or malformed: "
                        "ignored",
+    "refused_locations": "peer directory entries a reader refused: unsigned, forged, moved, bound to another "
+                         "source info, malformed or out of bounds (a miss, never read)",
     "refilled_chunks": "chunks a producer's engine served from its own prefix cache that the store had lost: "
                        "stored again",
     "ignored_model_tags": "requests whose model tag named another model than the engine's own: the tag is ignored "

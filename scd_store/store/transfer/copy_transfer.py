@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 import weakref
 from collections.abc import Mapping, Sequence
@@ -10,7 +11,15 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from scd_store.store.transfer.arena import Arena
-from scd_store.store.transfer.base import BlobReader, BlobRef, BlobSource, SourceInfo, TransferError
+from scd_store.store.transfer.base import (
+    DEFAULT_MAX_BATCH_BYTES,
+    BlobReader,
+    BlobRef,
+    BlobSource,
+    SourceInfo,
+    TransferError,
+    split_batches,
+)
 
 _sources: weakref.WeakValueDictionary[str, CopyBlobSource] = weakref.WeakValueDictionary()
 _lock = threading.Lock()
@@ -39,9 +48,13 @@ class CopyBlobSource(BlobSource):
 
 
 class CopyBlobReader(BlobReader):
-    """Reads from :class:`CopyBlobSource` objects of this process."""
+    """Reads from :class:`CopyBlobSource` objects of this process (one "transfer" per batch, like NIXL)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES) -> None:
+        if max_batch_bytes <= 0:
+            raise TransferError(f"max_batch_bytes must be > 0, got {max_batch_bytes}")
+        self.max_batch_bytes = max_batch_bytes
+        self.transfers = 0
         self._peers: dict[str, SourceInfo] = {}
 
     def connect(self, info: SourceInfo | bytes) -> str:
@@ -54,16 +67,20 @@ class CopyBlobReader(BlobReader):
     def read(self, source: str, refs: Sequence[BlobRef], timeout_s: float = 2.0) -> list[bytes | None]:
         with _lock:
             src = _sources.get(source)
+        out: list[bytes | None] = [None] * len(refs)
         if src is None or source not in self._peers:
-            return [None] * len(refs)
-        out: list[bytes | None] = []
-        with src.lock:
-            data = src.arena.buffer
-            for ref in refs:
-                if ref.offset + ref.length > src.arena.size:
-                    out.append(None)
-                else:
-                    out.append(data[ref.offset:ref.offset + ref.length].cpu().numpy().tobytes())
+            return out
+        deadline = time.monotonic() + timeout_s
+        for group in split_batches(refs, self.max_batch_bytes):
+            if time.monotonic() >= deadline:
+                break
+            self.transfers += 1
+            with src.lock:
+                data = src.arena.buffer
+                for i in group:
+                    ref = refs[i]
+                    if ref.offset + ref.length <= src.arena.size:
+                        out[i] = data[ref.offset:ref.offset + ref.length].cpu().numpy().tobytes()
         return out
 
     def close(self) -> None:

@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from scd_store.store.transfer.base import BlobReader, BlobSource
+from scd_store.store.transfer.base import DEFAULT_MAX_BATCH_BYTES, BlobReader, BlobSource
 
 log = logging.getLogger("scd_store.transfer")
 
@@ -36,12 +36,15 @@ def make_source(size: int, device: torch.device | str = "cpu", kind: str = "auto
     return CopyBlobSource(size, device)
 
 
-def make_reader(device: torch.device | str = "cpu", kind: str = "auto") -> BlobReader:
-    """A reader for sources of the same ``kind``."""
+def make_reader(device: torch.device | str = "cpu", kind: str = "auto", *,
+                max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES, initial_bytes: int = 1 << 20) -> BlobReader:
+    """A reader for sources of the same ``kind``: at most ``max_batch_bytes`` per transfer; a NIXL reader's
+    registered buffer is ``initial_bytes`` between reads (grown for a read, up to ``max_batch_bytes``)."""
     if kind == "nixl" or (kind == "auto" and nixl_available()):
         from scd_store.store.transfer.nixl_transfer import NixlBlobReader
 
-        return NixlBlobReader(device)
+        return NixlBlobReader(device, initial_bytes=min(initial_bytes, max_batch_bytes),
+                              max_batch_bytes=max_batch_bytes)
     from scd_store.store.transfer.copy_transfer import CopyBlobReader
 
-    return CopyBlobReader()
+    return CopyBlobReader(max_batch_bytes)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -11,7 +12,15 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from scd_store.store.transfer.arena import Arena
-from scd_store.store.transfer.base import BlobReader, BlobRef, BlobSource, SourceInfo, TransferError
+from scd_store.store.transfer.base import (
+    DEFAULT_MAX_BATCH_BYTES,
+    BlobReader,
+    BlobRef,
+    BlobSource,
+    SourceInfo,
+    TransferError,
+    split_batches,
+)
 
 log = logging.getLogger("scd_store.transfer")
 
@@ -53,32 +62,89 @@ class NixlBlobSource(BlobSource):
 
 
 class NixlBlobReader(BlobReader):
-    """Reads many blobs per transfer into one registered local buffer (grown on demand)."""
+    """Reads many blobs per transfer into one registered local buffer.
+
+    A transfer moves at most ``max_batch_bytes``: :meth:`read` splits a larger batch, and the buffer,
+    grown for a read past ``initial_bytes``, shrinks back to ``initial_bytes`` when that read is done.
+    A transfer that times out keeps its buffer (the peer may still write into it) until NIXL says it
+    ended; while a source holds ``MAX_ABANDONED_PER_SOURCE`` of them (or all sources ``MAX_ABANDONED``),
+    reads from it (from all) are misses: memory stays bounded and one hung peer does not stop the others."""
+
+    MAX_ABANDONED_PER_SOURCE = 2
+    MAX_ABANDONED = 8
 
     def __init__(self, device: torch.device | str = "cpu", name: str | None = None,
-                 initial_bytes: int = 1 << 20) -> None:
+                 initial_bytes: int = 1 << 20, max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES) -> None:
+        if not 0 < initial_bytes <= max_batch_bytes:
+            raise TransferError(f"need 0 < initial_bytes <= max_batch_bytes, got {initial_bytes}, {max_batch_bytes}")
         self.name = name or f"scd-rd-{uuid.uuid4().hex[:12]}"
         self.device = torch.device(device)
         self.agent = _agent(self.name)
+        self.initial_bytes = initial_bytes
+        self.max_batch_bytes = max_batch_bytes
+        self.transfers = 0
         self._peers: dict[str, tuple[str, SourceInfo]] = {}
         self._buffer: torch.Tensor | None = None
         self._reg = None
-        self._abandoned: list = []  # buffers an unfinished transfer may still write into: never reused
+        self._abandoned: list[tuple[str, object, torch.Tensor | None, object]] = []  # (source, handle, buffer, reg)
         self._ensure(initial_bytes)
         self.lock = threading.Lock()
 
-    def _ensure(self, nbytes: int) -> torch.Tensor:
-        if self._buffer is None or self._buffer.numel() < nbytes:
-            if self._reg is not None:
-                self.agent.deregister_memory(self._reg)
-            size = max(nbytes, 2 * (self._buffer.numel() if self._buffer is not None else 0))
-            self._buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
-            self._reg = self.agent.register_memory(self._buffer)
+    @property
+    def buffer_bytes(self) -> int:
+        """The size of the registered local buffer now."""
+        return self._buffer.numel() if self._buffer is not None else 0
+
+    def _register(self, nbytes: int) -> torch.Tensor:
+        self._release()
+        self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self._reg = self.agent.register_memory(self._buffer)
         return self._buffer
 
-    def _abandon_buffer(self) -> None:
-        self._abandoned.append((self._buffer, self._reg))
+    def _release(self) -> None:
+        reg, self._reg, self._buffer = self._reg, None, None
+        if reg is not None:
+            try:
+                self.agent.deregister_memory(reg)
+            except Exception as exc:
+                log.debug("nixl deregister failed: %s", exc)
+
+    def _ensure(self, nbytes: int) -> torch.Tensor:
+        if self._buffer is None or self._buffer.numel() < nbytes:
+            return self._register(max(nbytes, self.initial_bytes))
+        return self._buffer
+
+    def _shrink(self) -> None:
+        if self._buffer is not None and self._buffer.numel() > self.initial_bytes:
+            try:
+                self._register(self.initial_bytes)
+            except Exception as exc:  # the next read registers what it needs
+                log.debug("nixl: cannot register the initial buffer again: %s", exc)
+                self._release()
+
+    def _abandon(self, source: str, handle: object) -> None:
+        self._abandoned.append((source, handle, self._buffer, self._reg))
         self._buffer, self._reg = None, None
+
+    def _reap(self) -> None:
+        """Free the buffers of timed-out transfers that NIXL reports ended."""
+        kept = []
+        for source, handle, buffer, reg in self._abandoned:
+            try:
+                ended = self.agent.check_xfer_state(handle) != "PROC"
+                if ended:
+                    self.agent.release_xfer_handle(handle)
+            except Exception as exc:  # cannot tell or cannot release: keep holding the buffer
+                log.debug("nixl: an abandoned transfer is not released yet: %s", exc)
+                ended = False
+            if not ended:
+                kept.append((source, handle, buffer, reg))
+            elif reg is not None:
+                try:
+                    self.agent.deregister_memory(reg)
+                except Exception as exc:
+                    log.debug("nixl deregister failed: %s", exc)
+        self._abandoned = kept
 
     @property
     def _mem_type(self) -> str:
@@ -93,16 +159,37 @@ class NixlBlobReader(BlobReader):
         except Exception as exc:
             raise TransferError(f"cannot add NIXL agent {info.name!r}: {exc}") from exc
         remote = remote.decode() if isinstance(remote, bytes) else remote
+        if remote != info.name:  # metadata of another agent than the source it claims to be
+            if remote not in {r for r, _ in self._peers.values()}:
+                with contextlib.suppress(Exception):
+                    self.agent.remove_remote_agent(remote)
+            raise TransferError(f"source {info.name!r}'s agent metadata names agent {remote!r}")
         self._peers[info.name] = (remote, info)
         return info.name
 
     def read(self, source: str, refs: Sequence[BlobRef], timeout_s: float = 2.0) -> list[bytes | None]:
+        out: list[bytes | None] = [None] * len(refs)
+        deadline = time.monotonic() + timeout_s
         with self.lock:
-            return [bytes(v) if v is not None else None for v in self._read_views(source, refs, timeout_s)]
+            try:
+                for group in split_batches(refs, self.max_batch_bytes):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    views = self._read_views(source, [refs[i] for i in group], left)
+                    for i, view in zip(group, views, strict=True):  # copied out before the next transfer
+                        out[i] = bytes(view) if view is not None else None
+            finally:
+                self._shrink()
+        return out
 
     def read_views(self, source: str, refs: Sequence[BlobRef], timeout_s: float = 2.0) -> list[memoryview | None]:
-        """Like :meth:`read` without copying out (DRAM readers): views valid until the next read."""
+        """Like :meth:`read` without copying out (DRAM readers), in one transfer of at most ``max_batch_bytes``
+        (all None for a larger batch): views valid until the next read."""
         with self.lock:
+            if sum(r.length for r in refs) > self.max_batch_bytes:
+                log.warning("nixl read_views: %d refs need more than %d bytes: miss", len(refs), self.max_batch_bytes)
+                return [None] * len(refs)
             return self._read_views(source, refs, timeout_s)
 
     def _read_views(self, source: str, refs: Sequence[BlobRef], timeout_s: float) -> list[memoryview | None]:
@@ -118,6 +205,12 @@ class NixlBlobReader(BlobReader):
         if not wanted:
             return out
         total = sum(r.length for _, r in wanted)
+        self._reap()
+        held = sum(a[0] == source for a in self._abandoned)
+        if held >= self.MAX_ABANDONED_PER_SOURCE or len(self._abandoned) >= self.MAX_ABANDONED:
+            log.warning("nixl read: %d timed-out transfers (%d from %s) still hold their buffers: miss",
+                        len(self._abandoned), held, source)
+            return [None] * len(refs)
         try:
             buffer = self._ensure(total)
         except Exception as exc:
@@ -131,7 +224,7 @@ class NixlBlobReader(BlobReader):
             remote_descs.append((info.base + r.offset, r.length, info.device_id))
             offsets.append(pos)
             pos += r.length
-        if not self._transfer(remote, local, remote_descs, info.mem_type, timeout_s):
+        if not self._transfer(source, remote, local, remote_descs, info.mem_type, timeout_s):
             return [None] * len(refs)
         host = buffer[:total] if buffer.device.type == "cpu" else buffer[:total].cpu()
         view = memoryview(host.numpy())
@@ -139,7 +232,9 @@ class NixlBlobReader(BlobReader):
             out[i] = view[off:off + r.length]
         return out
 
-    def _transfer(self, remote: str, local: list, remote_descs: list, remote_mem: str, timeout_s: float) -> bool:
+    def _transfer(self, source: str, remote: str, local: list, remote_descs: list, remote_mem: str,
+                  timeout_s: float) -> bool:
+        self.transfers += 1
         try:
             local_dl = self.agent.get_xfer_descs(local, self._mem_type)
             remote_dl = self.agent.get_xfer_descs(remote_descs, remote_mem)
@@ -157,8 +252,7 @@ class NixlBlobReader(BlobReader):
             state = "ERR"
         if state == "PROC":
             log.warning("nixl read from %s timed out after %.2f s: miss", remote, timeout_s)
-            self._abandon_buffer()
-            self._abandoned.append(handle)
+            self._abandon(source, handle)
             return False
         try:
             self.agent.release_xfer_handle(handle)
@@ -169,9 +263,5 @@ class NixlBlobReader(BlobReader):
         return state == "DONE"
 
     def close(self) -> None:
-        if self._reg is not None:
-            try:
-                self.agent.deregister_memory(self._reg)
-            except Exception as exc:
-                log.debug("nixl deregister failed: %s", exc)
-            self._reg = None
+        self._reap()
+        self._release()
