@@ -33,7 +33,7 @@ class KeyError_(ValueError):  # noqa: N801 - avoid shadowing the builtin KeyErro
 
 def validate_space_id(space_id: str) -> str:
     """Return ``space_id`` if it is 1-128 chars of ``[A-Za-z0-9._-]`` starting alphanumeric."""
-    if not isinstance(space_id, str) or not _SPACE_RE.match(space_id):
+    if not isinstance(space_id, str) or not _SPACE_RE.fullmatch(space_id):
         raise KeyError_(f"invalid space id {space_id!r}: use 1-128 characters [A-Za-z0-9._-], starting alphanumeric")
     return space_id
 
@@ -98,7 +98,7 @@ def generation_of(fingerprint: str, version: int = KEY_FORMAT) -> str:
 
 def _prefix(space_id: str, generation: str) -> str:
     validate_space_id(space_id)
-    if not isinstance(generation, str) or not _GENERATION_RE.match(generation):
+    if not isinstance(generation, str) or not _GENERATION_RE.fullmatch(generation):
         raise KeyError_(f"invalid key generation {generation!r} (expected 'v<format>.<16 hex>': generation_of)")
     return f"{KEY_PREFIX}:{space_id}:{generation}:"
 
@@ -107,7 +107,7 @@ def make_key(space_id: str, generation: str, chunk_hash: bytes | str) -> str:
     """``scd:{space_id}:{generation}:{hex}`` for one chunk hash (16 bytes or 32 hex chars)."""
     prefix = _prefix(space_id, generation)
     hex_ = chunk_hash.hex() if isinstance(chunk_hash, bytes) else chunk_hash
-    if not _HEX_RE.match(hex_):
+    if not _HEX_RE.fullmatch(hex_):
         raise KeyError_(f"chunk hash must be 16 bytes / 32 lowercase hex chars, got {hex_!r}")
     return prefix + hex_
 
@@ -127,8 +127,8 @@ def hash_keys(space_id: str, generation: str, hashes: Sequence[bytes]) -> list[s
 def parse_key(key: str) -> tuple[str, str, str]:
     """Split a key into ``(space_id, generation, chunk_hash_hex)``; raises :class:`KeyError_` on a malformed key."""
     parts = key.split(":") if isinstance(key, str) else []
-    if len(parts) != 4 or parts[0] != KEY_PREFIX or not _HEX_RE.match(parts[3]) \
-            or not _GENERATION_RE.match(parts[2]):
+    if len(parts) != 4 or parts[0] != KEY_PREFIX or not _HEX_RE.fullmatch(parts[3]) \
+            or not _GENERATION_RE.fullmatch(parts[2]):
         raise KeyError_(f"not a store key: {key!r} (expected 'scd:<space_id>:v<format>.<16 hex>:<32 hex>')")
     validate_space_id(parts[1])
     return parts[1], parts[2], parts[3]

@@ -1,9 +1,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import threading
+
+import pytest
 
 from scd_store.store.keys import chunk_hashes, generation_of, hash_keys
+from scd_store.store.tiers.base import TierError
 from scd_store.store.tiers.disk import DiskTier
 
 KEYS = hash_keys("sp", generation_of("fp"), chunk_hashes(list(range(40)), 4))
@@ -115,3 +120,56 @@ def test_the_rescan_runs_in_the_background(tmp_path) -> None:
         return items
 
     assert run(go()) == 1
+
+
+def test_the_value_bound_is_at_most_the_byte_bound(tmp_path) -> None:
+    assert DiskTier(tmp_path, 1 << 30).max_value_bytes == 64 << 20  # the default
+    assert DiskTier(tmp_path, 1 << 30, max_value_bytes=1 << 20).max_value_bytes == 1 << 20
+    assert DiskTier(tmp_path, 100, max_value_bytes=1 << 20).max_value_bytes == 100
+    assert DiskTier(tmp_path, 100, max_value_bytes=None).max_value_bytes == 100
+    tier = DiskTier(tmp_path, 1 << 20, max_value_bytes=8)
+    assert tier.accepts(8) and not tier.accepts(9)
+    for bad in ({"max_bytes": 0}, {"max_value_bytes": 0}, {"rescan_s": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            DiskTier(tmp_path, **{"max_bytes": 1 << 20, **bad})
+
+
+def test_get_many_keeps_the_order_of_its_keys(tmp_path) -> None:
+    tier = DiskTier(tmp_path, 1 << 20)
+    run(tier.start())
+    run(tier.put_many([(key, bytes([i]) * (i + 1)) for i, key in enumerate(KEYS[:8])]))
+    wanted = [KEYS[7], KEYS[9], KEYS[0], KEYS[3], KEYS[3]]
+    assert run(tier.get_many(wanted)) == [b"\x07" * 8, None, b"\x00", b"\x03" * 4, b"\x03" * 4]
+    assert tier.usage().items == 8
+
+
+def test_close_releases_the_root_once_no_job_uses_it(tmp_path) -> None:
+    """The tier holds an fd of its root (a tmpfs under it could not be unmounted): close() lets it go, but only
+    after the jobs still running on its pool are done with it."""
+    root = tmp_path / "root"
+    tier = DiskTier(root, 1 << 20)
+
+    def holders() -> list[str]:
+        found = []
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/self/fd/{fd}") == str(root):
+                    found.append(fd)
+        return found
+
+    async def go() -> tuple[bool, bytes | None, list[str]]:
+        await tier.start()
+        await tier.put(KEYS[0], b"blob")
+        gate, reading = threading.Event(), tier._read
+        tier._read = lambda where: (gate.wait(5), reading(where))[1]  # type: ignore[method-assign]
+        pending = asyncio.ensure_future(tier.get(KEYS[0]))
+        await asyncio.sleep(0.05)
+        await tier.close()
+        held_while_reading = bool(holders())
+        gate.set()
+        return held_while_reading, await pending, holders()
+
+    held_while_reading, value, after = run(go())
+    assert held_while_reading and value == b"blob" and after == []
+    with pytest.raises(TierError, match="closed"):
+        run(tier.get(KEYS[0]))

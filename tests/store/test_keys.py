@@ -75,7 +75,10 @@ def test_bad_space_ids(space) -> None:
 
 
 @pytest.mark.parametrize("key", ["scd:sp:xyz", "foo:sp:" + "0" * 32, "scd:sp", "scd:sp:" + "0" * 32,
-                                 "scd:a:b:" + "0" * 32, "scd:a:v2.0123456789abcdef:" + "0" * 31])
+                                 "scd:a:b:" + "0" * 32, "scd:a:v2.0123456789abcdef:" + "0" * 31,
+                                 "scd:a\n:v3.0123456789abcdef:" + "0" * 32,
+                                 "scd:a:v3.0123456789abcdef:" + "0" * 32 + "\n",
+                                 "scd:a:v3.0123456789abcdef\n:" + "0" * 32])
 def test_bad_keys(key) -> None:
     with pytest.raises(KeyError_):
         parse_key(key)
