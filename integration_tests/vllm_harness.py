@@ -1,5 +1,6 @@
 """The vLLM server tests' material and checks: a PEFT LoRA adapter of the producer, a quick bundle,
-scd-store's own transformers decode path to compare the servers with, and the deployment's hit count.
+scd-store's own transformers decode path to compare the servers with, the deployment's hit count and
+counters, and a server's own prefix-cache hits.
 
 The adapter is a structural consumer (random low-rank updates of the attention projections, no
 training): vLLM serves it by name on the base model's server, and the bundle's pair for it is
@@ -13,6 +14,7 @@ import json
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -83,6 +85,22 @@ def settled_hits(redis_url: str, before: int, expect: int, timeout: float = 10.0
         time.sleep(0.5)
     time.sleep(1.5)  # one more flush: nothing beyond ``expect`` may arrive late
     return hit_tokens(redis_url) - before
+
+
+def counter(redis_url: str, name: str, **labels: str) -> int:
+    """A counter's total over the deployment's processes (from its stats in Redis), of the given labels only."""
+    from scd_store.store.stats_sinks import read_redis_stats
+
+    return sum(int(c["value"]) for c in read_redis_stats(redis_url).get("counters", [])
+               if c["name"] == name and all(c.get(k) == v for k, v in labels.items()))
+
+
+def prefix_cache_hits(server_url: str) -> float:
+    """Tokens a vLLM server's own prefix cache has served (``vllm:prefix_cache_hits_total`` on ``/metrics``)."""
+    with urllib.request.urlopen(server_url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:prefix_cache_hits_total"))
 
 
 def wait_until(predicate, timeout: float = 60.0) -> bool:

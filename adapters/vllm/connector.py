@@ -12,7 +12,9 @@ The extra config holds the settings every scd-store adapter reads
 (:mod:`scd_store.service.settings`). Requests of a space's producer (the served model, no
 adapter) store their prompt's whole chunks as codes; requests of a registered consumer (the served
 model, or a LoRA adapter by its ``--lora-modules`` name) load the leading run of stored chunks,
-decoded into their own KV. Everyone else is a clean miss. A load that cannot be decoded is
+decoded into their own KV. A producer's chunks served by vLLM's own prefix cache are checked against
+the store off the engine's thread and stored again when it lost them (``refilled_chunks``).
+Everyone else is a clean miss. A load that cannot be decoded is
 recomputed by vLLM, never served.
 """
 
@@ -165,6 +167,8 @@ class ScdConnector(KVConnectorBase_V1):
         return self._worker.failed_blocks() if self._worker is not None else set()
 
     def shutdown(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.close()
         service, self.service = self.service, None
         if service is not None:
             self._close_service(service)

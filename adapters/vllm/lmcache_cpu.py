@@ -7,7 +7,14 @@ the LMCache engine it builds moves chunks with :class:`VllmCpuPagedConnector`: `
 objects in and out of vLLM-CPU's ``[blocks, kv_heads, block_size, 2*head_dim]`` layer tensors,
 written with the attention backend's own op and read through the map derived from it
 (:mod:`scd_store.adapters.vllm.paged_layout`). Every stored chunk records its absolute positions
-(``cached_positions``), which is what the scd-store plugin needs to store it. Launch::
+(``cached_positions``), which is what the scd-store plugin needs to store it.
+
+LMCache's non-multiprocess keys carry no ``cache_salt``. Before LMCache reads a request's configs
+(``lmcache.*`` of ``sampling_params.extra_args["kv_transfer_params"]``: its lookup in
+``get_num_new_matched_tokens`` and its request tracker, built after ``update_state_after_alloc``),
+the connector sets ``lmcache.tag.scd_cache_salt`` to a SHA-256 prefix of vLLM's ``request.cache_salt``
+(a client's value of that tag is overwritten, or removed from an unsalted request): LMCache's own
+tiers then key salted requests apart, and the scd-store plugin neither stores nor serves them. Launch::
 
     LMCACHE_CONFIG_FILE=lmcache.yaml python -m vllm.entrypoints.openai.api_server --model DIR
         --kv-transfer-config '{"kv_connector": "LMCacheCpuConnector",
@@ -17,8 +24,9 @@ written with the attention backend's own op and read through the map derived fro
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import lmcache.v1.gpu_connector as lmcache_gpu_connectors
@@ -27,9 +35,36 @@ from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
 from lmcache.v1.memory_management import MemoryFormat
 from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import LMCacheConnectorV1
 
+from scd_store.adapters.lmcache.identity import SALT_TAG, TAG
 from scd_store.adapters.vllm.paged_layout import BlockMap, LayoutError, layer_maps, read_tokens, write_tokens
 
 _factory_lock = threading.Lock()
+SALT_CONFIG = TAG + SALT_TAG  # the LMCache request config that carries a request's salt tag
+
+
+def salt_tag(salt: str) -> str:
+    """The tag value of a ``cache_salt``: a SHA-256 hex prefix (128 bits; the salt itself stays out of keys)."""
+    return hashlib.sha256(salt.encode()).hexdigest()[:32]
+
+
+def tag_cache_salt(request: Any) -> None:
+    """Make the LMCache request configs of a vLLM ``request`` say its ``cache_salt``: the tag is set from
+    the salt (a client-sent value overwritten) or, unsalted, removed. The request's ``extra_args`` and
+    ``kv_transfer_params`` are replaced by copies (nothing shared with the client's objects is mutated)."""
+    params = getattr(request, "sampling_params", None)
+    if params is None:
+        return
+    salt = getattr(request, "cache_salt", None)
+    extra = params.extra_args if isinstance(params.extra_args, Mapping) else None
+    transfer = extra.get("kv_transfer_params") if extra is not None else None
+    configs = dict(transfer) if isinstance(transfer, Mapping) else {}
+    if salt:
+        configs[SALT_CONFIG] = salt_tag(str(salt))
+    elif SALT_CONFIG in configs:
+        del configs[SALT_CONFIG]  # a client's tag on an unsalted request: never trusted
+    else:
+        return  # unsalted and untagged: nothing to say
+    params.extra_args = {**(extra or {}), "kv_transfer_params": configs}
 
 
 class VllmCpuPagedConnector(GPUConnectorInterface):
@@ -120,3 +155,14 @@ class LMCacheCpuConnector(LMCacheConnectorV1):
             raise ValueError("LMCacheCpuConnector is for vLLM-CPU; on a GPU use LMCache's own LMCacheConnectorV1")
         with _cpu_gpu_connectors(vllm_config):
             super().__init__(vllm_config, role, kv_cache_config)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """LMCache's lookup, of the request's configs with its salt tag."""
+        tag_cache_salt(request)
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Tag the salt again before LMCache's request tracker reads the configs (a request may reach
+        it without a lookup)."""
+        tag_cache_salt(request)
+        super().update_state_after_alloc(request, blocks, num_external_tokens)

@@ -53,13 +53,15 @@ class ChunkLoad:
 @dataclass(slots=True)
 class ChunkSave:
     """A producer request's newly computed whole chunks: ``hashes[i]`` starts at token ``starts[i]``,
-    whose tokens lie at ``slots[i]``."""
+    whose tokens lie at ``slots[i]``. ``refill``: chunks vLLM's own prefix cache held that the store
+    had lost (stored again, counted as ``refilled_chunks``)."""
 
     req_id: str
     model: str
     hashes: list[bytes]
     starts: list[int]
     slots: list[list[int]]
+    refill: bool = False
 
     def __post_init__(self) -> None:
         if not len(self.hashes) == len(self.starts) == len(self.slots):

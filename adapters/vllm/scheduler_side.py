@@ -7,6 +7,12 @@ position is its index in the prompt. Requests whose tokens do not say what they 
 embeddings, multimodal inputs) or that ask for an isolated cache (a ``cache_salt``) are neither
 stored nor served, counted as ``unkeyable_requests``. A request whose ``kv_transfer_params`` set
 ``skip_param`` (``scd_skip_load: true``) computes its prompt itself (it may still be stored).
+
+A producer request's leading chunks that vLLM's own prefix cache held are not computed again, so
+they are not stored as they are computed; instead their presence in the store is checked off the
+engine's thread (:class:`~scd_store.adapters.vllm.refill.Refill`) and the chunks the store lost are
+stored again from the request's blocks (``refilled_chunks``), while the request still holds them, or
+at once by the next request for the prefix when it has finished.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from scd_store.adapters.vllm.plan import ChunkLoad, ChunkSave, StepPlan, slots_of
+from scd_store.adapters.vllm.refill import Refill
 from scd_store.service import KVService
 from scd_store.service.log_once import LogOnce
 from scd_store.store.keys import chunk_hashes
@@ -31,6 +38,15 @@ class _Producing:
     hashes: list[bytes]
     block_ids: list[int]
     next_chunk: int
+
+
+@dataclass(slots=True)
+class _Refilling:
+    """A producer request whose leading chunks came from vLLM's own prefix cache: checked, maybe stored again."""
+
+    model: str
+    hashes: list[bytes]  # the chunks the engine's prefix cache held
+    block_ids: list[int]  # the request's blocks holding them
 
 
 def request_model(request: Any, served_model: str) -> str:
@@ -55,7 +71,7 @@ class SchedulerSide:
     """Matched tokens, load plans and save plans, one step at a time."""
 
     def __init__(self, service: KVService, served_model: str, block_size: int,
-                 skip_param: str = "scd_skip_load") -> None:
+                 skip_param: str = "scd_skip_load", refill: Refill | None = None) -> None:
         self.service = service
         self.skip_param = skip_param
         self.served_model = served_model
@@ -65,6 +81,9 @@ class SchedulerSide:
         self._loads: list[ChunkLoad] = []
         self._lookups: list[tuple[str, int]] = []
         self._producing: dict[str, _Producing] = {}
+        self._refilling: dict[str, _Refilling] = {}
+        # what the tiers other processes read hold (the producer's own copies do not count), on the refill's thread
+        self.refill = refill if refill is not None else Refill(service.readable_by_others)
         self._counted: set[str] = set()
         self._unkeyed: set[str] = set()
         self._requests: dict[str, Any] = {}  # vLLM's Request objects (what a step's new-request data leaves out)
@@ -134,27 +153,45 @@ class SchedulerSide:
         tokens = list(new_req.prompt_token_ids or ())
         if len(tokens) < self.chunk_size:
             return
-        # chunks the engine's own prefix cache held were stored when they were computed
-        self._producing[new_req.req_id] = _Producing(model, chunk_hashes(tokens, self.chunk_size),
-                                                     list(new_req.block_ids[0]),
-                                                     new_req.num_computed_tokens // self.chunk_size)
+        hashes = chunk_hashes(tokens, self.chunk_size)
+        cached = min(new_req.num_computed_tokens // self.chunk_size, len(hashes))
+        self._producing[new_req.req_id] = _Producing(model, hashes, list(new_req.block_ids[0]), cached)
+        if cached:  # the engine's own prefix cache held them: stored again if the store lost them
+            blocks = cached * self.chunk_size // self.block_size
+            self._refilling[new_req.req_id] = _Refilling(model, hashes[:cached], list(new_req.block_ids[0][:blocks]))
+
+    def _saves(self, req_id: str, model: str, hashes: list[bytes], chunks: list[int], block_ids: list[int],
+               refill: bool = False) -> ChunkSave:
+        return ChunkSave(req_id, model, [hashes[i] for i in chunks], [i * self.chunk_size for i in chunks],
+                         [slots_of(block_ids, self.block_size, i * self.chunk_size, (i + 1) * self.chunk_size)
+                          for i in chunks], refill=refill)
+
+    def _refill_ready(self, req_id: str, saves: list[ChunkSave]) -> None:
+        """Store again the chunks the store said it lost (once its answer is in: it is never waited for)."""
+        refilling = self._refilling[req_id]
+        chunks = self.refill.take(refilling.model, refilling.hashes)
+        if chunks is None:
+            return
+        del self._refilling[req_id]
+        if chunks:
+            saves.append(self._saves(req_id, refilling.model, refilling.hashes, chunks, refilling.block_ids, True))
 
     def _save_ready(self, req_id: str, computed: int, saves: list[ChunkSave]) -> None:
         producing = self._producing[req_id]
         ready = min(computed // self.chunk_size, len(producing.hashes))
         if ready <= producing.next_chunk:
             return
-        chunks = range(producing.next_chunk, ready)
-        saves.append(ChunkSave(req_id, producing.model, [producing.hashes[i] for i in chunks],
-                               [i * self.chunk_size for i in chunks],
-                               [slots_of(producing.block_ids, self.block_size, i * self.chunk_size,
-                                         (i + 1) * self.chunk_size) for i in chunks]))
+        save = self._saves(req_id, producing.model, producing.hashes, list(range(producing.next_chunk, ready)),
+                           producing.block_ids)
+        saves.append(save)
+        self.refill.saved(producing.model, save.hashes)  # a check racing this put does not store them twice
         producing.next_chunk = ready
         if ready == len(producing.hashes):
             del self._producing[req_id]
 
     def build(self, scheduler_output: Any) -> StepPlan:
-        """This step's plan: the loads planned since the last step, and producers' newly computed chunks."""
+        """This step's plan: the loads planned since the last step, producers' newly computed chunks, and
+        the chunks of their prefix-cache hits the store lost (requests scheduled this step only)."""
         plan = StepPlan(loads=self._loads, lookups=self._lookups)
         self._loads, self._lookups = [], []
         scheduled = scheduler_output.num_scheduled_tokens
@@ -163,8 +200,14 @@ class SchedulerSide:
             if new_req.req_id in self._producing:
                 self._save_ready(new_req.req_id, new_req.num_computed_tokens + scheduled.get(new_req.req_id, 0),
                                  plan.saves)
+            if new_req.req_id in self._refilling:
+                self._refill_ready(new_req.req_id, plan.saves)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
+            if req_id in cached.resumed_req_ids:  # preempted: its blocks were freed; the next request refills
+                self._refilling.pop(req_id, None)
+            elif req_id in self._refilling:
+                self._refill_ready(req_id, plan.saves)
             producing = self._producing.get(req_id)
             if producing is None:
                 continue
@@ -180,7 +223,12 @@ class SchedulerSide:
     def finished(self, request: Any) -> None:
         """Forget a finished request."""
         self._producing.pop(request.request_id, None)
+        self._refilling.pop(request.request_id, None)
         self._hits.pop(request.request_id, None)
         self._requests.pop(request.request_id, None)
         self._counted.discard(request.request_id)
         self._unkeyed.discard(request.request_id)
+
+    def close(self) -> None:
+        """Stop the refill's thread."""
+        self.refill.close()

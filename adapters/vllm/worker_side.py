@@ -7,7 +7,8 @@ are reported as failed blocks, so vLLM recomputes them (the connector sets
 ``kv_load_failure_policy: recompute``). Saves run after the forward (``wait_for_save``): the
 engine's thread copies the producer's new chunks' blocks as they lie (a block copy, so the blocks
 may be reused at once); un-packing them through the layout map, encoding and storing run on
-scd-store's put worker, off the engine's thread.
+scd-store's put worker, off the engine's thread. Chunks stored again because the store had lost them
+(a save's ``refill``) are counted as ``refilled_chunks`` once stored.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -157,7 +159,18 @@ class WorkerSide:
                 out.append(KVState(keys.float(), values.float(), start=start))
             return out
 
-        self.service.submit_put(save.model, save.hashes, states)
+        done = self._refilled(save.model) if save.refill else None
+        self.service.submit_put(save.model, save.hashes, states, done=done)
+
+    def _refilled(self, model: str) -> Callable[[int], None]:
+        """Counts a refill's stored chunks (``refilled_chunks``, by space) once the put worker has stored them."""
+        binding = self.service.binding(model)
+        space = binding.space.space_id if binding is not None else ""
+
+        def done(stored: int) -> None:
+            if stored > 0:
+                self.service.store.stats.inc("refilled_chunks", stored, space=space)
+        return done
 
 
 def whole_blocks(slots: list[int], block_size: int) -> list[int]:

@@ -205,6 +205,16 @@ class KVService:
         consumer = self._consumer(binding)
         return consumer.contains(hashes) if consumer is not None else 0
 
+    def readable_by_others(self, model: str, hashes: Sequence[bytes]) -> int:
+        """For a producer: chunks of the leading run of ``hashes`` the tiers other processes read (Redis, peers)
+        hold, not counted as a lookup; a producer's own copies do not count, so a shared tier that lost them is
+        seen (0 for anyone else). Blocking: call it off the engine's thread."""
+        binding = self.binding(model)
+        if binding is None or binding.role != "producer":
+            return 0
+        producer = self._producer(binding)
+        return producer.readable_by_others(hashes) if producer is not None else 0
+
     def count_requested(self, model: str, tokens: int) -> None:
         """Count a consumer's lookup of ``tokens`` tokens (``requested_tokens``, the hit rate's denominator) in
         this process: for engines that look up in one process and load in another (vLLM), so each

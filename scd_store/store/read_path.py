@@ -88,6 +88,29 @@ class ReadPath:
         self.stats.observe("lookup", time.perf_counter() - t0)
         return PrefixHit(run, len(keys), tiers)
 
+    def readable_by_others(self, space: Space, keys: list[str]) -> int:
+        """The leading run of ``keys`` present in a tier other processes read (Redis, peers), presence only and
+        not counted as a lookup: what a producer's consumers elsewhere can get. A shared tier that cannot
+        answer counts as holding them (never store again on a guess); with no shared tier, every tier counts."""
+        shared = [t for t in self.tiers if t.shared]
+        if not shared:
+            return leading_run(self._walk(keys, "contains", space))
+        return self.loop.run(self._shared_run(shared, keys), timeout=self.guard.deadline(shared) + 5.0)
+
+    async def _shared_run(self, shared: list[Tier], keys: list[str]) -> int:
+        present = [False] * len(keys)
+        for tier in shared:
+            pending = [i for i, p in enumerate(present) if not p]
+            if not pending:
+                break
+            found = await self.guard.call(tier, "contains", lambda t=tier, b=[keys[i] for i in pending]:
+                                          t.contains_many(b), None)
+            if found is None:
+                return len(keys)
+            for i, hit in zip(pending, found, strict=True):
+                present[i] = present[i] or bool(hit)
+        return leading_run([True if p else None for p in present])
+
     def get(self, space: Space, keys: list[str], pair_id: str) -> list[CodeChunk]:
         """The verified leading run of ``keys`` in ``space``; hits are counted per tier and promoted."""
         t0 = time.perf_counter()

@@ -145,13 +145,16 @@ def make_async_client(url: str, *, socket_timeout: float | None = 2.0, connect_t
     from redis.asyncio.retry import Retry
     from redis.asyncio.sentinel import Sentinel
     from redis.backoff import NoBackoff
+    from redis.exceptions import ConnectionError as RedisConnectionError
 
     target = parse_redis_url(url)
     kwargs = _common(target, socket_timeout, connect_timeout)
     if target.mode == "cluster":
         nodes = [ClusterNode(h, p) for h, p in target.hosts]
         return RedisCluster(startup_nodes=nodes, max_connections=max_connections, **kwargs)
-    kwargs["retry"] = Retry(NoBackoff(), 0)
+    # one immediate retry on a dropped connection: after a server restart every pooled connection is stale, and
+    # the first command on each would otherwise fail (a miss, or a lost put); a timeout is never retried
+    kwargs["retry"] = Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
     if target.mode == "sentinel":
         sentinel = Sentinel(list(target.hosts), sentinel_kwargs=_common(target, socket_timeout, connect_timeout),
                             **kwargs)

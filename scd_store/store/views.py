@@ -67,6 +67,11 @@ class ProducerView:
         """Length of the leading run of ``hashes`` present in any tier."""
         return self.lookup(hashes).hit_chunks
 
+    def readable_by_others(self, hashes: Sequence[bytes]) -> int:
+        """Length of the leading run of ``hashes`` that tiers other processes read hold (not counted as a
+        lookup): what this space's consumers elsewhere can get."""
+        return self.store.read.readable_by_others(self.space, self.keys(hashes))
+
 
 class ConsumerView:
     """A registered consumer's face: lookups and verified gets in its pair's space. It cannot write."""

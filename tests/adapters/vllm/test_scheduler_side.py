@@ -67,11 +67,12 @@ def test_producer_chunks_are_planned_as_prefill_computes_them(service):
     assert side.build(output(cached=done, scheduled={"p1": 1})).saves == []  # decode steps store nothing
 
 
-def test_chunks_from_the_engines_own_prefix_cache_are_not_stored_again(service):
+def test_chunks_from_the_engines_own_prefix_cache_are_not_stored_as_computed(service):
     side = SchedulerSide(service, PRODUCER, BLOCK)
     new = request("p2", block_ids=(list(range(8)),), num_computed_tokens=2 * CHUNK)
     plan = side.build(output([new], scheduled={"p2": len(PROMPT) - 2 * CHUNK}))
-    assert [s.starts for s in plan.saves] == [[16]]
+    assert [s.starts for s in plan.saves] == [[16]]  # chunks 0 and 1 are checked off-thread (test_refill.py)
+    side.close()
 
 
 def test_consumers_and_other_models_never_store(service):

@@ -48,7 +48,7 @@ def test_a_producer_chunk_is_copied_as_blocks_and_unpacked_off_the_engine_thread
     for layer, cache, (k, v) in zip(layers, caches, written, strict=True):
         layer.impl.do_kv_cache_update(layer, k, v, cache, slots)  # the engine's own writes
     submitted = []
-    service = types.SimpleNamespace(submit_put=lambda model, hashes, states: submitted.append(states) or True,
+    service = types.SimpleNamespace(submit_put=lambda model, hashes, states, **_: submitted.append(states) or True,
                                     store=types.SimpleNamespace(stats=None))
     worker = WorkerSide(service)
     worker.register({f"model.layers.{i}.self_attn.attn": c for i, c in enumerate(caches)},
