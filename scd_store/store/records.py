@@ -48,6 +48,12 @@ class Space:
         validate_space_id(self.space_id)
         _non_empty(f"space {self.space_id!r}", self, ("producer_model_id", "producer_fingerprint",
                                                       "bundle_fingerprint"))
+        if not isinstance(self.codec_id, str):
+            raise RegistryError(f"space {self.space_id!r}: codec_id must be a string")
+        for name, least in (("chunk_size", 1), ("raw_kv_bytes_per_token", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise RegistryError(f"space {self.space_id!r}: {name} must be an integer >= {least}, got {value!r}")
 
     @property
     def fingerprint(self) -> str:

@@ -41,12 +41,35 @@ KINDS = ("spaces", "pairs", "canaries", "locations")
 VERSIONED = ("spaces", "pairs")  # kinds whose changes bump the version
 
 
+def _record(cls: type, obj: Any) -> Any:
+    """A space or pair from its stored JSON; a record that does not parse is as good as absent (never guessed)."""
+    try:
+        if not isinstance(obj, dict):
+            raise TypeError(f"expected an object, got {type(obj).__name__}")
+        return cls(**obj)
+    except (TypeError, ValueError) as exc:
+        raise NotRegistered(f"a malformed {cls.__name__.lower()} record in the registry: {exc}") from None
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} in a registry record")
+
+
+def _loads(raw: Any) -> dict[str, Any] | None:
+    """A stored record's JSON object, or None when it is none (junk is as good as absent)."""
+    try:
+        obj = json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, TypeError, RecursionError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
 def _space(obj: dict[str, Any]) -> Space:
-    return Space(**obj)
+    return _record(Space, obj)
 
 
 def _pair(obj: dict[str, Any]) -> Pair:
-    return Pair(**obj)
+    return _record(Pair, obj)
 
 
 class Registry(ABC):
@@ -266,11 +289,12 @@ class RedisRegistry(Registry):
 
     def _load(self, kind: str, ident: str) -> dict[str, Any] | None:
         raw = self.client.hget(self._hash(kind), ident)
-        return None if raw is None else json.loads(raw)
+        return None if raw is None else _loads(raw)
 
     def _all(self, kind: str) -> dict[str, dict[str, Any]]:
-        return _current(kind, {k.decode() if isinstance(k, bytes) else k: json.loads(v)
-                               for k, v in self.client.hgetall(self._hash(kind)).items()})
+        loaded = {k.decode() if isinstance(k, bytes) else k: _loads(v)
+                  for k, v in self.client.hgetall(self._hash(kind)).items()}
+        return _current(kind, {k: v for k, v in loaded.items() if v is not None})
 
     def version(self) -> int:
         return int(self.client.get(REDIS_VERSION) or 0)

@@ -164,3 +164,20 @@ def test_canaries_are_kept_per_space(tmp_path) -> None:
     reg.record_canary("sp2", "vllm", {"value": "b"})
     reg.record_canary("sp", "vllm", {"value": "c"})  # replaces its own
     assert reg.canaries("sp") == {"vllm": {"value": "c"}} and reg.canaries("sp2") == {"vllm": {"value": "b"}}
+
+
+@pytest.mark.parametrize("damage", [{"chunk_size": 1.5}, {"chunk_size": True}, {"chunk_size": 0},
+                                    {"raw_kv_bytes_per_token": -1}, {"codec_id": 7}, {"surprise": 1},
+                                    {"producer_model_id": ""}])
+def test_a_malformed_space_record_is_as_good_as_absent(tmp_path, damage) -> None:
+    """A record the registry's writer damaged (or a planted one) is a refusal, never an exception into the engine."""
+    from scd_store.store.records import NotRegistered, Space
+    from scd_store.store.registry import FileRegistry
+
+    registry = FileRegistry(tmp_path / "reg" / "registry.json")
+    space = registry.register_space(Space("sp", "prod", "pfp", "sfp"))
+    data = json.loads(registry.path.read_text())
+    data["spaces"][space.ident].update(damage)
+    registry.path.write_text(json.dumps(data))
+    with pytest.raises(NotRegistered, match="malformed"):
+        registry.authorize_write("sp", "prod", "sfp")
