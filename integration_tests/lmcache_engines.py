@@ -38,7 +38,7 @@ def plugin_config(bundles: list[Path], store_yaml: Path, chunk_size: int, **scd:
 def write_store_yaml(path: Path, disk: Path) -> Path:
     path.write_text(yaml.safe_dump({"tiers": [{"kind": "cpu", "max_bytes": "64MiB"},
                                               {"kind": "disk", "path": str(disk), "max_bytes": "256MiB"}],
-                                    "registry_path": str(disk / "registry.json"),
+                                    "registry_path": str(disk.parent / "registry.json"),  # outside the tier
                                     "stats_path": str(disk.parent / "stats")}))
     return path
 

@@ -9,6 +9,7 @@ sequence's KV) and prints ``{"ready": ..., "plugin": bool, "errors": [...]}``, t
   mask that skips the first ``k`` chunks: chunked prefill), then drained;
 - ``{"retrieve": {"tokens": T, "tags": {...}, "out": PATH}}``: ``lookup`` then ``retrieve`` into a
   zeroed buffer, which goes to ``PATH`` (safetensors);
+- ``{"counters": ["puts", ...]}``: those store counters of this process (``{name: value}``);
 - ``{"exit": true}``.
 """
 
@@ -91,12 +92,16 @@ def main() -> None:
         save_file({"kv": kv[:, :, :n].contiguous()}, c["out"])
         return {"hit": hit}
 
+    def counters(names: list[str]) -> dict:
+        stats = plugin.service.store.stats if plugin is not None else None
+        return {name: stats.value(name) if stats is not None else 0 for name in names}
+
     def close() -> None:
         from lmcache.v1.cache_engine import LMCacheEngineBuilder
 
         LMCacheEngineBuilder.destroy(instance)  # closes the plugin: drains, writes this process's stats
 
-    serve({"store": store, "retrieve": retrieve}, close)
+    serve({"store": store, "retrieve": retrieve, "counters": counters}, close)
 
 
 if __name__ == "__main__":

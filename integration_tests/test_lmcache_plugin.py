@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from integration_tests.lmcache_engines import make_engine, plugin_config, scd_backend, write_store_yaml
+from scd_store.adapters.lmcache.identity import SALT_TAG, TAG
 from scd_store.adapters.lmcache.layout import kv_2ltd_views
 from scd_store.adapters.lmcache.plugin import ScdStoragePlugin
 from scd_store.codecs.kv_state import KVState
@@ -19,6 +20,7 @@ from tests.bundles import LAYOUT, PRODUCER, correlated_state, write_tiny_bundle
 from lmcache.v1.cache_engine import LMCacheEngineBuilder  # isort: skip
 
 CHUNK, TOKENS = 16, 40  # two whole chunks and a partial one
+MODEL_TAG, SALT_TAG_CONFIG = TAG + "scd_model", TAG + SALT_TAG
 HEADS, DIM = LAYOUT.kv_heads, LAYOUT.head_dim
 
 
@@ -242,25 +244,86 @@ def test_tenants_tagged_apart_never_read_each_others_codes(setup):
 
 
 def test_a_lora_adapter_on_the_base_engine_reads_as_its_pair_and_never_writes(setup):
-    """LMCache keys carry no LoRA id: on an engine that serves adapters each request names its model
-    with the lmcache.tag.scd_model tag; an untagged request is neither stored nor served."""
+    """LMCache keys carry no LoRA id: on an engine that serves adapters a gateway names each request's
+    consumer with the lmcache.tag.scd_model tag. Untagged, or naming the producer or another model, a
+    request is unattributed; the engine never writes (no request of it is the base model's by the engine's word)."""
     bundle, store_yaml, start = setup
     config = plugin_config([bundle], store_yaml, CHUNK, serves_adapters=True)
     kv = producer_kv()
     tokens = torch.arange(900, 900 + TOKENS)
     base = start(PRODUCER, config, kv)  # one engine: the base model and its adapters
     plugin = scd_backend(base)
+    stats = plugin.service.store.stats
     base.store(tokens)  # which model? unknown: not stored
-    # an adapter's own KV (other tokens: LMCache's own CPU tier keeps its raw copy): never coded
-    base.store(tokens + 10_000, request_configs={"lmcache.tag.scd_model": "consumer-a"})
-    assert plugin.drain(timeout=30) and plugin.service.store.stats.value("puts") == 0
-    assert plugin.service.store.stats.value("unattributed_chunks") == 3
-    base.store(tokens, request_configs={"lmcache.tag.scd_model": PRODUCER})
-    assert plugin.drain(timeout=30) and plugin.service.store.stats.value("puts") == 3
+    assert plugin.drain(timeout=30) and stats.value("puts") == 0 and stats.value("unattributed_chunks") == 3
+    for model in (PRODUCER, "stranger", "consumer-a"):  # an adapter's own KV is never coded either
+        base.store(tokens + 10_000, request_configs={MODEL_TAG: model})
+    assert plugin.drain(timeout=30) and stats.value("puts") == 0 and stats.value("unattributed_chunks") == 9
+    start(PRODUCER, plugin_config([bundle], store_yaml, CHUNK), kv).store(tokens)  # an engine without adapters
+    assert plugin.drain(timeout=30) and stats.value("puts") == 3
     want = expected_consumer_kv(bundle, "consumer-a", kv)
-    kv.zero_()  # the engine's buffer now serves the adapter's request
-    adapter = {"lmcache.tag.scd_model": "consumer-a"}
-    assert base.lookup(tokens, request_configs=adapter) == TOKENS  # LMCache's own tiers hold no adapter KV
-    base.retrieve(tokens, request_configs=adapter)
-    assert torch.equal(kv, want)
-    assert base.lookup(torch.arange(5000, 5000 + TOKENS), request_configs=adapter) == 0
+    out = torch.zeros_like(kv)
+    reader = start(PRODUCER, config, out)  # LMCache's own tiers of this engine hold nothing
+    for model in (None, PRODUCER, "stranger"):
+        assert reader.lookup(tokens, request_configs={MODEL_TAG: model} if model else None) == 0
+    assert stats.value("unattributed_chunks") == 9 + 3 * 3
+    adapter = {MODEL_TAG: "consumer-a"}
+    assert reader.lookup(tokens, request_configs=adapter) == TOKENS
+    reader.retrieve(tokens, request_configs=adapter)
+    assert torch.equal(out, want)
+    assert reader.lookup(torch.arange(5000, 5000 + TOKENS), request_configs=adapter) == 0
+
+
+def test_a_tenant_tagging_the_producer_on_a_consumer_engine_stores_nothing(setup, caplog):
+    """The attack: a consumer engine's client names the producer in its model tag, so that its own KV
+    would be coded into the producer's space under the key untagged tenants read. Roles come from the
+    engine: the tag is ignored (counted, logged once), nothing is stored, the producer's space gets nothing."""
+    bundle, store_yaml, start = setup
+    config = plugin_config([bundle], store_yaml, CHUNK)
+    kv = producer_kv()
+    tokens = torch.arange(1100, 1100 + TOKENS)
+    attacker = start("consumer-a", config, torch.randn_like(kv))
+    plugin = scd_backend(attacker)
+    stats = plugin.service.store.stats
+    with caplog.at_level(logging.WARNING, logger="scd_store.adapters.lmcache"):
+        attacker.store(tokens, request_configs={MODEL_TAG: PRODUCER})
+        attacker.store(tokens, request_configs={MODEL_TAG: PRODUCER, "lmcache.tag.tenant": "acme"})
+        assert plugin.drain(timeout=30)
+    assert stats.value("puts") == 0 and stats.value("ignored_model_tags") == 2  # one per request
+    assert caplog.text.count("the tag is ignored") == 1
+    victim = start("consumer-b", config, torch.zeros_like(kv))
+    for tags in (None, {MODEL_TAG: PRODUCER}, {"lmcache.tag.tenant": "acme"}):
+        assert victim.lookup(tokens, request_configs=tags) == 0
+    producer = start(PRODUCER, config, kv)  # the producer's own store is what the victim then reads
+    producer.store(tokens, request_configs={MODEL_TAG: "consumer-a"})  # its tag is ignored too: the producer's
+    assert plugin.drain(timeout=30) and stats.value("puts") == 3
+    assert victim.lookup(tokens) == TOKENS  # under the untagged key: the tag never entered the namespace
+    out = torch.zeros_like(kv)
+    start("consumer-a", config, out).retrieve(tokens)
+    assert torch.equal(out, expected_consumer_kv(bundle, "consumer-a", kv))
+
+
+def test_salted_requests_are_neither_stored_nor_served(setup):
+    """A request with a vLLM cache_salt carries LMCacheCpuConnector's salt tag: the plugin refuses every
+    such key (LMCache's keys carry no salt it could keep tenants apart by) and counts it."""
+    bundle, store_yaml, start = setup
+    config = plugin_config([bundle], store_yaml, CHUNK)
+    kv = producer_kv()
+    tokens = torch.arange(1300, 1300 + TOKENS)
+    salted = {SALT_TAG_CONFIG: "0123456789abcdef0123456789abcdef"}
+    producer = start(PRODUCER, config, kv)
+    plugin = scd_backend(producer)
+    stats = plugin.service.store.stats
+    producer.store(tokens, request_configs=salted)
+    assert plugin.drain(timeout=30) and stats.value("puts") == 0
+    stored_salted = stats.value("salted_chunks")
+    assert stored_salted >= 3
+    consumer = start("consumer-a", config, torch.zeros_like(kv))
+    assert consumer.lookup(tokens) == 0  # nothing went under the unsalted key either
+    producer.store(tokens)
+    assert plugin.drain(timeout=30) and stats.value("puts") == 3
+    assert consumer.lookup(tokens) == TOKENS
+    assert consumer.lookup(tokens, request_configs=salted) == 0  # a salted reader never gets the unsalted codes
+    assert stats.value("salted_chunks") > stored_salted
+    keys = [key for _, _, key in consumer.token_database.process_tokens(tokens, request_configs=salted)]
+    assert scd_backend(consumer).batched_get_blocking(keys) == [None] * 3

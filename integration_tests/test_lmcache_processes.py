@@ -76,6 +76,31 @@ def test_producer_consumer_and_adapter_engines_in_their_own_processes(deployment
     assert base_with_adapters.ask({"store": {"tokens": TOKENS, "seed": 9, "tags": adapter}})["puts"] == 0
 
 
+def test_a_tenant_tagging_the_producer_in_another_process_reaches_no_one(deployment):
+    """The attack across processes: clients of a consumer engine and of an adapter-serving base engine tag
+    their requests with the producer's name. Roles come from each engine: neither stores anything, and a
+    consumer in a third process reads only what the producer's own engine stored."""
+    bundle, store_yaml, env, tmp, processes = deployment
+    attacker = engine("consumer-a", bundle, store_yaml, env)
+    base_with_adapters = engine(PRODUCER, bundle, store_yaml, env, serves_adapters=True)
+    victim = engine("consumer-b", bundle, store_yaml, env)
+    processes += [attacker, base_with_adapters, victim]
+    as_producer = {"lmcache.tag.scd_model": PRODUCER}
+    assert attacker.ask({"store": {"tokens": TOKENS, "seed": 7, "tags": as_producer}}) == {"drained": True, "puts": 0}
+    assert attacker.ask({"counters": ["ignored_model_tags"]}) == {"ignored_model_tags": 1}
+    for tags in (as_producer, None):  # an engine that serves adapters never writes
+        assert base_with_adapters.ask({"store": {"tokens": TOKENS, "seed": 8, "tags": tags}})["puts"] == 0
+    assert base_with_adapters.ask({"counters": ["unattributed_chunks"]}) == {"unattributed_chunks": 6}
+    out = str(tmp / "v.safetensors")
+    for tags in (None, as_producer):
+        assert victim.ask({"retrieve": {"tokens": TOKENS, "tags": tags, "out": out}}) == {"hit": 0}
+    producer = engine(PRODUCER, bundle, store_yaml, env)
+    processes.append(producer)
+    assert producer.ask({"store": {"tokens": TOKENS, "seed": 5}}) == {"drained": True, "puts": 3}
+    assert victim.ask({"retrieve": {"tokens": TOKENS, "out": out}}) == {"hit": TOKENS}
+    assert torch.equal(load_file(out)["kv"], decoded(bundle, "consumer-b", seed=5))
+
+
 def test_tenants_in_separate_processes_stay_apart(deployment):
     bundle, store_yaml, env, tmp, processes = deployment
     producer = engine(PRODUCER, bundle, store_yaml, env)

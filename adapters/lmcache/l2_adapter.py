@@ -14,6 +14,12 @@ the server reported for them (:class:`PositionLedger`, from its ``MP_TOKENS`` ev
 without one is not stored and is counted), and the task completes when they are stored. Lookup
 and load: a registered consumer's keys resolve to the producer's codes, decoded straight into the
 L1 memory objects LMCache hands over. Keys carry LMCache's ``cache_salt`` (a tenant).
+
+Roles come from the key's ``model_name``, which is the engine's, never a request's: LMCache's
+multiprocess vLLM connector puts the engine's own ``model_config.model`` into every key it sends
+the server, and request configs (``lmcache.tag.*``) are no part of an ``ObjectKey``, so no
+request can name another model. Whoever can reach the server's socket speaks for an engine: keep
+it on a host or network only the deployment's engines reach.
 """
 
 from __future__ import annotations

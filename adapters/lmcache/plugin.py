@@ -16,7 +16,10 @@ encoded into its code space at the positions the GPU connector recorded
 put under LMCache's chunk hash. Retrieve path: a registered consumer engine asking for the same chunk
 hash (under its own model name) gets the producer's codes decoded into its own KV, straight into a
 ``KV_2LTD`` memory object from LMCache's CPU allocator (no copy): an ordinary LMCache hit. Everyone else
-misses. LMCache's async lookup and load hooks (``batched_async_contains``,
+misses. Who a chunk belongs to comes from the engine (:mod:`scd_store.adapters.lmcache.identity`): a
+request's model tag never makes it a producer's, and salted requests (tagged by
+:class:`~scd_store.adapters.vllm.lmcache_cpu.LMCacheCpuConnector`) are neither stored nor served.
+LMCache's async lookup and load hooks (``batched_async_contains``,
 ``batched_get_non_blocking``) run the same calls off its event loop. A bad configuration raises at
 construction (LMCache only logs that, so the error is also logged here with the fix).
 """
@@ -36,7 +39,7 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from scd_store.adapters.lmcache.hashing import lmcache_canary
-from scd_store.adapters.lmcache.identity import ChunkIdentity, batch_identity, key_identity
+from scd_store.adapters.lmcache.identity import SALT_TAG, ChunkIdentity, batch_identity, key_identity
 from scd_store.adapters.lmcache.layout import chunk_hash_bytes, kv_2ltd_views, state_from_kv_2ltd
 from scd_store.codecs.kv_state import KVState
 from scd_store.service import EngineSettings, SettingsError, acquire_service, release_service
@@ -69,6 +72,10 @@ class ScdStoragePlugin(StoragePluginInterface):
             log.error("scd-store LMCache plugin: bad configuration: %s", exc)
             raise
         self._once = LogOnce(log)
+        if self.serves_adapters:
+            log.info("scd-store LMCache plugin: this engine serves adapters (serves_adapters): it reads for the "
+                     "consumers of %r's space its requests name with lmcache.tag.%s and never writes (produce from "
+                     "an engine without adapters)", self.model, self.model_tag)
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="scd-store-lmcache")
 
     # ----------------------------------------------------------------- construction checks
@@ -104,13 +111,42 @@ class ScdStoragePlugin(StoragePluginInterface):
         return "ScdStoragePlugin"
 
     # ----------------------------------------------------------------- helpers
+    def _is_adapter(self, name: str) -> bool:
+        """Whether ``name`` is a registered consumer of the engine's own space (an adapter it may serve)."""
+        engine, adapter = self.service.binding(self.model), self.service.binding(name)
+        return engine is not None and adapter is not None and engine.role == "producer" and \
+            adapter.role == "consumer" and adapter.space.space_id == engine.space.space_id and \
+            adapter.space.fingerprint == engine.space.fingerprint
+
+    def _key_identity(self, key: CacheEngineKey) -> ChunkIdentity:
+        return key_identity(key, self.model_tag, self.serves_adapters, self._is_adapter, self.service.aliases)
+
     def _identity(self, keys: Sequence[CacheEngineKey]) -> ChunkIdentity:
-        identity = batch_identity(keys, self.model_tag, self.serves_adapters)
-        if identity.model is None:
-            self._once.warn("unattributed", "scd-store: a request without the lmcache.tag.%s tag on an engine that "
-                            "serves adapters (serves_adapters) cannot be attributed to a model: not stored or served "
-                            "(counted as unattributed_chunks; logged once)", self.model_tag)
-            self.service.store.stats.inc("unattributed_chunks", len(keys))
+        """The batch's identity, with what it cannot be counted and logged once: salted requests and
+        unattributed ones are neither stored nor served (``model`` None); an ignored model tag is counted."""
+        identity = batch_identity(keys, self.model_tag, self.serves_adapters, self._is_adapter, self.service.aliases)
+        stats = self.service.store.stats
+        if identity.salted:
+            stats.inc("salted_chunks", len(keys))
+            self._once.warn("salted", "scd-store: a request with a cache_salt (lmcache.tag.%s): LMCache's keys carry "
+                            "no salt scd-store could keep tenants apart by, so it is neither stored nor served "
+                            "(counted as salted_chunks; logged once)", SALT_TAG)
+            return ChunkIdentity(None, salted=True)
+        if identity.ignored_tag is not None:
+            stats.inc("ignored_model_tags")
+            self._once.warn("ignored", "scd-store: a request tagged lmcache.tag.%s=%r on the engine of %r, which "
+                            "serves no adapters: roles come from the engine, the tag is ignored (counted as "
+                            "ignored_model_tags; logged once)", self.model_tag, identity.ignored_tag, self.model)
+        if identity.model is None and not self.serves_adapters:
+            stats.inc("unattributed_chunks", len(keys))
+            self._once.warn("mixed", "scd-store: a batch of keys of several requests' identities: not stored or "
+                            "served (counted as unattributed_chunks; logged once)")
+        elif identity.model is None:
+            stats.inc("unattributed_chunks", len(keys))
+            self._once.warn("unattributed", "scd-store: a request whose lmcache.tag.%s names no registered consumer of "
+                            "%r's space (untagged, the producer or another model) on an engine that serves adapters "
+                            "(serves_adapters) cannot be attributed to a model: not stored or served (counted as "
+                            "unattributed_chunks; logged once)", self.model_tag, self.model)
         return identity
 
     def _batch(self, keys: Sequence[CacheEngineKey], role: str) -> ChunkIdentity | None:
@@ -157,14 +193,16 @@ class ScdStoragePlugin(StoragePluginInterface):
                                      tokens=len(keys) * self.metadata.kv_shape[2])
 
     def exists_in_put_tasks(self, key: CacheEngineKey) -> bool:
-        identity = key_identity(key, self.model_tag, self.serves_adapters)
+        identity = self._key_identity(key)
+        if identity.model is None or identity.salted:
+            return False
         return self.service.puts.pending(chunk_hash_bytes(key.chunk_hash, identity.namespace))
 
     def batched_submit_put_task(self, keys: Sequence[CacheEngineKey], objs: list[MemoryObj], transfer_spec: Any = None,
                                 on_complete_callback: Callable[[CacheEngineKey], None] | None = None) -> None:
         """Hand the chunks to the put worker and return: they are converted, encoded and stored off the
         engine's thread, holding a reference on each memory object until then."""
-        identity = self._batch(keys, "producer")
+        identity = self._batch(keys, "producer")  # never a producer on an engine that serves adapters
         if identity is None:
             return None  # consumers never write; their own chunks stay in LMCache's other tiers
         model = identity.model

@@ -35,11 +35,12 @@ from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
 from lmcache.v1.memory_management import MemoryFormat
 from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import LMCacheConnectorV1
 
-from scd_store.adapters.lmcache.identity import SALT_TAG, TAG
 from scd_store.adapters.vllm.paged_layout import BlockMap, LayoutError, layer_maps, read_tokens, write_tokens
 
 _factory_lock = threading.Lock()
-SALT_CONFIG = TAG + SALT_TAG  # the LMCache request config that carries a request's salt tag
+# the LMCache request config that carries a request's salt tag: the scd-store plugin refuses keys holding it
+# (scd_store.adapters.lmcache.identity TAG + SALT_TAG; spelled out here, engine adapters do not import each other)
+SALT_CONFIG = "lmcache.tag.scd_cache_salt"
 
 
 def salt_tag(salt: str) -> str:

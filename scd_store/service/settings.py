@@ -16,14 +16,17 @@ Every engine adapter reads the same keys (LMCache: ``extra_config`` ``scd.*``; S
 - ``get_deadline_s``: how long a consumer's get may take before it returns what it has decoded
   (default 5);
 - ``serves_adapters``: the engine also serves LoRA adapters of its model (default false; SGLang
-  says so itself). A request the adapter cannot be told from is then neither stored nor served;
+  says so itself). A request the adapter cannot be told from is then neither stored nor served, and
+  the engine never writes (no request of it can be attributed to the base model by the engine);
 - ``register_bundles``: register ``bundles`` in the registry at start (default true); false for
   engines that may only read the registry (records are then written by ``scd-store register``, and
   only what the registry holds as the bundles have it is bound);
 - ``max_positions``: the engine's context length (default 32768); stored chunks reaching past it are
   refused before anything is allocated for them;
-- ``model_tag`` (LMCache): the request tag ``lmcache.tag.<model_tag>`` that names the model (base
-  or adapter) a request is for (default ``scd_model``).
+- ``model_tag`` (LMCache): on an engine with ``serves_adapters``, the request tag
+  ``lmcache.tag.<model_tag>`` naming the adapter (a registered consumer of the engine's space) a
+  request reads as (default ``scd_model``; set it at a gateway); ignored elsewhere: roles come from
+  the engine, never from a request.
 
 A stored chunk's absolute position always comes from the engine (LMCache:
 ``MemoryObj.metadata.cached_positions``; SGLang: ``prefix_keys``); a chunk without one is not

@@ -20,6 +20,9 @@ MISS_REASONS = {
     "hash_mismatch": ("hash_mismatch", "space"),
     "dropped": ("dropped_puts", "all"),
     "unattributed": ("unattributed_chunks", "all"),
+    "salted": ("salted_chunks", "all"),
+    "unsafe_file": ("unsafe_files", "all"),
+    "refused_location": ("refused_locations", "all"),
     "unregistered": ("refused_requests", "all"),
     "tier_down": ("tier_errors", "all"),
 }

@@ -26,6 +26,7 @@ def test_hit_rate_bytes_and_misses_by_reason_per_pair():
     assert a["misses"] == {"absent": 1, "refused": 2, "deadline": 0, "corrupt": 1, "bad_signature": 0,
                            "other_generation": 0, "revoked": 0, "unpositioned": 4, "hash_mismatch": 0}
     assert b["hit_rate"] == 0.0 and b["decode_p50_le_s"] is None
-    assert report["misses"] == {"dropped": 0, "unattributed": 0, "unregistered": 1, "tier_down": 1}
+    assert report["misses"] == {"dropped": 0, "unattributed": 0, "salted": 0, "unsafe_file": 0, "refused_location": 0,
+                                "unregistered": 1, "tier_down": 1}
     (proc,) = report["processes"]
     assert proc["requested_tokens"] == 1280 and proc["hit_tokens"] == 768 and proc["tier_errors"] == 1
