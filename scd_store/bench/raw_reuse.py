@@ -67,6 +67,10 @@ class RawKVDirectory:
             count += 1
         return count
 
+    def readable_by_others(self, model: str, hashes: Sequence[bytes]) -> int:
+        """The directory is every process's (the producer's refill asks this)."""
+        return self.contains(model, hashes)
+
     def get(self, model: str, hashes: Sequence[bytes], *, into: Callable | None = None, **_: Any) -> list[KVState]:
         states: list[KVState] = []
         for i, chunk_hash in enumerate(hashes):
