@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -46,6 +47,20 @@ from scd_store.service import EngineSettings, SettingsError, acquire_service, re
 from scd_store.service.log_once import LogOnce
 
 log = logging.getLogger("scd_store.adapters.lmcache")
+LORA_ENV = "SCD_STORE_ENGINE_SERVES_LORA"  # set by the vLLM connector (LMCacheCpuConnector) of an --enable-lora engine
+
+
+def engine_serves_lora() -> bool:
+    """Whether this process's engine serves LoRA adapters: said by scd-store's vLLM connector, or by the vLLM
+    config in force while LMCache builds its backends."""
+    if os.environ.get(LORA_ENV) == "1":
+        return True
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+    except ImportError:
+        return False
+    config = get_current_vllm_config_or_none()
+    return config is not None and getattr(config, "lora_config", None) is not None
 SETTINGS_PREFIX = "scd."
 
 
@@ -59,7 +74,9 @@ class ScdStoragePlugin(StoragePluginInterface):
         try:
             self._check_engine(config, metadata, local_cpu_backend)
             settings = EngineSettings.from_mapping(config.extra_config or {}, prefix=SETTINGS_PREFIX)
-            self.model_tag, self.serves_adapters = settings.model_tag, settings.serves_adapters
+            self.model_tag = settings.model_tag
+            # LMCache keys carry no LoRA id: an engine that serves adapters is one whichever the setting says
+            self.serves_adapters = settings.serves_adapters or engine_serves_lora()
             self.service = acquire_service(settings)
             try:
                 self.model = metadata.model_name

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -148,12 +149,27 @@ def _cpu_gpu_connectors(vllm_config: Any) -> Iterator[None]:
             lmcache_gpu_connectors.CreateGPUConnector = original
 
 
+LORA_ENV = "SCD_STORE_ENGINE_SERVES_LORA"  # read by the scd-store LMCache plugin (adapters.lmcache.plugin.LORA_ENV)
+
+
+def mark_lora_engine(vllm_config: Any) -> bool:
+    """Tell the scd-store LMCache plugin of this process that its engine serves LoRA adapters (LMCache keys carry
+    no LoRA id, so such an engine must never write codes); whether it does."""
+    serves = getattr(vllm_config, "lora_config", None) is not None
+    if serves:
+        os.environ[LORA_ENV] = "1"
+    return serves
+
+
 class LMCacheCpuConnector(LMCacheConnectorV1):
     """vLLM's LMCache connector, whose LMCache engine moves KV with :class:`VllmCpuPagedConnector`."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         if vllm_config.device_config.device_type != "cpu":
             raise ValueError("LMCacheCpuConnector is for vLLM-CPU; on a GPU use LMCache's own LMCacheConnectorV1")
+        mark_lora_engine(vllm_config)
+        # a code that cannot be decoded is recomputed by the engine, never a failed request
+        vllm_config.kv_transfer_config.kv_load_failure_policy = "recompute"
         with _cpu_gpu_connectors(vllm_config):
             super().__init__(vllm_config, role, kv_cache_config)
 

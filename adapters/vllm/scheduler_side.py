@@ -147,8 +147,11 @@ class SchedulerSide:
 
     # ------------------------------------------------------------ producer saves
     def _start_producing(self, new_req: Any) -> None:
+        request = self._requests.get(new_req.req_id, new_req)
+        if getattr(request, "lora_request", None) is not None or getattr(new_req, "lora_request", None) is not None:
+            return  # only the served base model produces: an adapter named like the producer is its own weights
         model = request_model(new_req, self.served_model)
-        if self._role(model) != "producer" or self._unkeyable(self._requests.get(new_req.req_id, new_req)):
+        if self._role(model) != "producer" or self._unkeyable(request):
             return
         tokens = list(new_req.prompt_token_ids or ())
         if len(tokens) < self.chunk_size:

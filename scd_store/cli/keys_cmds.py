@@ -15,8 +15,17 @@ from typing import Any
 
 
 def _target(path: Path, space: str | None) -> Path:
-    """``path`` itself, or ``path/<space or default>.keys`` when it is a directory."""
-    return path / f"{space or 'default'}.keys" if path.is_dir() else path
+    """``path`` itself, or ``path/<space or default>.keys`` when it is a directory. A key for one space goes
+    into a directory (made 0700 when missing): a key file alone is every space's key."""
+    from scd_store.store.fs_safety import private_dir
+    from scd_store.store.signing import KeyringError
+
+    if space is not None:
+        if path.exists() and not path.is_dir():
+            raise KeyringError(f"--space {space}: {path} is a file, whose keys sign and verify every space; give a "
+                               "directory (its <space>.keys file holds this space's key)")
+        return private_dir(path, "the key directory") / f"{space}.keys"
+    return path / "default.keys" if path.is_dir() else path
 
 
 def new_command(args: argparse.Namespace) -> int:
@@ -34,7 +43,7 @@ def new_command(args: argparse.Namespace) -> int:
         write_key_file(private, [key.line()], private=True, append=args.append)
         assert key.public is not None
         write_key_file(public, [key.public.line()], private=False, append=args.append)
-    except (KeyringError, OSError) as exc:
+    except (KeyringError, OSError, ValueError) as exc:
         print(f"scd-store keys new: {exc}", file=sys.stderr)
         return 2
     print(f"key {key.key_id}: private {private} (give it to the space's producers only), public {public} (every "
@@ -65,7 +74,8 @@ def add_keys_parsers(sub: Any) -> None:
     new.add_argument("--key-id", required=True, help="the id blobs carry (1-64 of [A-Za-z0-9._-])")
     new.add_argument("--private", type=Path, required=True, help="private key file, or a directory for <space>.keys")
     new.add_argument("--public", type=Path, required=True, help="public key file, or a directory for <space>.keys")
-    new.add_argument("--space", help="scope the key to one space (the file <space>.keys in a directory)")
+    new.add_argument("--space", help="scope the key to one space: --private and --public are then directories "
+                     "(made when missing), and the key goes into their <space>.keys")
     new.add_argument("--until", help="end of validity (unix seconds or ISO-8601 UTC)")
     new.add_argument("--append", action="store_true", help="add the key to existing files (rotation: it verifies at "
                      "once; move its private line first on producers to sign with it)")

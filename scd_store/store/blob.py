@@ -57,6 +57,11 @@ class SignatureError(BlobError):
     key, forged, or moved to another key): never decode it."""
 
 
+class UnknownKey(SignatureError):
+    """A blob signed with a key this keyring does not hold (or no longer: rotated out, expired, its file gone): a
+    miss, but no evidence of damage (this process's keys may lag a rotation), so never deleted for it."""
+
+
 class ForeignBlob(BlobError):
     """A well-formed blob of another space generation or codec: a miss, not damage (never deleted)."""
 
@@ -139,7 +144,8 @@ def _meta_from_json(header: bytes) -> BlobMeta:
     return BlobMeta(obj["codec_id"], obj["space_fingerprint"], obj["token_count"])
 
 
-def _verify_signature(view: memoryview, end: int, key: str, space_id: str, keyring: Keyring) -> int:
+def _verify_signature(view: memoryview, end: int, key: str, space_id: str, keyring: Keyring,
+                      verified_before: bool = False) -> int:
     """Check a signed blob's trailer after ``end`` (the checksum's end); returns the blob's full length."""
     if end + 1 > view.nbytes:
         raise BlobError("signed blob is truncated before its key id")
@@ -153,17 +159,22 @@ def _verify_signature(view: memoryview, end: int, key: str, space_id: str, keyri
         raise SignatureError("blob key id is not ASCII") from None
     public = keyring.verifier(space_id, key_id)
     if public is None:
-        raise SignatureError(f"blob is signed with key {key_id!r}, which this keyring does not hold (or no longer)")
+        raise UnknownKey(f"blob is signed with key {key_id!r}, which this keyring does not hold (or no longer)")
+    if verified_before:  # this process checked its signature when it took it in: its key must still be held
+        return total
     if not public.verify(_signed_message(key, view[:total - SIGNATURE_SIZE]), view[total - SIGNATURE_SIZE:]):
         raise SignatureError("blob signature does not verify: forged, or moved from another key")
     return total
 
 
 def decode_blob(data: bytes | bytearray | memoryview, *, key: str = "", space_id: str = "",
-                keyring: Keyring | None = None, expect_space_fingerprint: str | None = None,
+                keyring: Keyring | None = None, verified_before: bool = False,
+                expect_space_fingerprint: str | None = None,
                 expect_codec_id: str | None = None, max_token_count: int | None = None) -> Blob:
     """Verify and split a blob read under store ``key`` of ``space_id``. With a ``keyring`` the blob
-    must carry a valid signature (:class:`SignatureError`); without one, a signed blob's trailer is checked
+    must carry a valid signature (:class:`SignatureError`; :class:`UnknownKey` when its key is not held), or with
+    ``verified_before`` (a blob this process checked when it took it in) at least a key still held; without
+    one, a signed blob's trailer is checked
     for its framing only. Raises :class:`BlobError` on any defect; never returns garbage."""
     view = memoryview(data).cast("B")
     n = view.nbytes
@@ -188,7 +199,7 @@ def decode_blob(data: bytes | bytearray | memoryview, *, key: str = "", space_id
         raise SignatureError("blob is unsigned and this store requires signed blobs")
     if signed:
         if keyring is not None:
-            _verify_signature(view, end, key, space_id, keyring)
+            _verify_signature(view, end, key, space_id, keyring, verified_before)
         elif end + 1 > n or end + 1 + view[end] + SIGNATURE_SIZE != n:
             raise BlobError("signed blob trailer does not match its length: truncated or extended")
     meta = _meta_from_json(bytes(view[PREFIX_SIZE:PREFIX_SIZE + header_len]))

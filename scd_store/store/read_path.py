@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from scd_store.store.blob import Blob, BlobError, ForeignBlob, SignatureError, decode_blob
+from scd_store.store.blob import Blob, BlobError, ForeignBlob, SignatureError, UnknownKey, decode_blob
 from scd_store.store.guard import TierGuard
 from scd_store.store.keys import KeyError_, parse_key
 from scd_store.store.loop import LoopThread
@@ -267,11 +267,14 @@ class ReadPath:
             await self.guard.call(tier, "report", lambda: tier.clear_reports("hits", scope, done), None)
 
     def _state(self, key: str, value: bytes, space: Space) -> str:
-        """``intact``, ``foreign`` (another generation's or codec's blob: a miss, not damage) or ``bad``."""
+        """``intact``, ``foreign`` (another generation's or codec's blob: a miss, not damage), ``unknown_key`` (signed
+        with a key this process does not hold, or no longer: no evidence of damage) or ``bad``."""
         try:
             self._verify(key, value, space)
         except ForeignBlob:
             return "foreign"
+        except UnknownKey:
+            return "unknown_key"
         except BlobError:
             return "bad"
         return "intact"
@@ -293,8 +296,9 @@ class ReadPath:
 
     def _verify(self, key: str, value: bytes, space: Space, trusted: bool = False) -> Blob:
         """Every check of a blob; ``trusted`` (this process's memory tiers, which hold only blobs it wrote
-        or verified before promoting them) skips the tag, not the checksum."""
-        return decode_blob(value, key=key, space_id=space.space_id, keyring=None if trusted else self.keyring,
+        or verified before promoting them) skips the signature's arithmetic, not the checksum, nor the check that
+        its key is still held (a key rotated out or removed ends what it signed in memory too)."""
+        return decode_blob(value, key=key, space_id=space.space_id, keyring=self.keyring, verified_before=trusted,
                            expect_space_fingerprint=space.fingerprint, max_token_count=space.chunk_size)
 
     def _absorb(self, ti: int, pending: list[int], keys: list[str], results: list[Any], op: str,
@@ -322,8 +326,11 @@ class ReadPath:
                 still.append(i)
                 kind = ("foreign_blobs" if isinstance(exc, ForeignBlob) else
                         "bad_signatures" if isinstance(exc, SignatureError) else "corrupt_blobs")
+                # a key this process does not hold is no evidence of damage: never deleted or reported for it
+                # outside this process's memory (where a key rotated out ends what it signed)
+                unknown_key = isinstance(exc, UnknownKey) and not self.tiers[ti].local
                 counts[kind] += 1
-                if kind != "foreign_blobs":
+                if kind != "foreign_blobs" and not unknown_key:
                     bad.append(keys[i])
                 log.debug("%s: blob %s in tier %s: %s", kind, keys[i], self.tiers[ti].name, exc)
                 continue

@@ -92,6 +92,11 @@ class Registry(ABC):
     def _all(self, kind: str) -> dict[str, dict[str, Any]]: ...
 
     @abstractmethod
+    def _bump_version(self) -> None:
+        """Bump the version whatever changed (a revocation that removed nothing now may have removed it before
+        a failed bump: stores must re-read)."""
+
+    @abstractmethod
     def version(self) -> int:
         """A counter bumped by every change of a space or pair record (0 for a new registry)."""
 
@@ -162,6 +167,7 @@ class Registry(ABC):
         if spaces:
             self._delete("spaces", list(spaces))
         self._delete("locations", [n for n in self._all("locations") if n in removed])
+        self._bump_version()  # also when a retry finds nothing left: its first bump may have failed
         return removed
 
     def record_canary(self, space_id: str, engine: str, record: dict[str, Any]) -> None:
@@ -264,6 +270,12 @@ class FileRegistry(Registry):
             self._write(data)
         return None
 
+    def _bump_version(self) -> None:
+        with self._locked():
+            data = self._read()
+            data["version"] = int(data.get("version", 0)) + 1
+            self._write(data)
+
     def _delete(self, kind: str, idents: list[str]) -> int:
         with self._locked():
             data = self._read()
@@ -302,6 +314,9 @@ class RedisRegistry(Registry):
     def _bump(self, kind: str) -> None:
         if kind in VERSIONED:
             self.client.incr(REDIS_VERSION)
+
+    def _bump_version(self) -> None:
+        self.client.incr(REDIS_VERSION)
 
     def _store(self, kind: str, ident: str, record: dict[str, Any], replace: bool) -> dict[str, Any] | None:
         payload = json.dumps(record, sort_keys=True)

@@ -181,3 +181,28 @@ def test_a_malformed_space_record_is_as_good_as_absent(tmp_path, damage) -> None
     registry.path.write_text(json.dumps(data))
     with pytest.raises(NotRegistered, match="malformed"):
         registry.authorize_write("sp", "prod", "sfp")
+
+
+def test_a_revocation_whose_version_bump_failed_is_seen_once_it_is_run_again(tmp_path) -> None:
+    """Records removed, then the bump failed (a dropped connection, Redis out of memory): running the revoke
+    again removes nothing but still bumps, so running stores re-read their answers."""
+    from scd_store.store.records import Space
+    from scd_store.store.registry import FileRegistry
+
+    class FlakyBump(FileRegistry):
+        fail = False
+
+        def _bump_version(self) -> None:
+            if self.fail:
+                raise ConnectionError("the bump did not reach the registry")
+            super()._bump_version()
+
+    registry = FlakyBump(tmp_path / "reg" / "registry.json")
+    registry.register_space(Space("sp", "prod", "pfp", "sfp"))
+    seen = registry.version()
+    registry.fail = True
+    with pytest.raises(ConnectionError):
+        registry.revoke("sp")
+    registry.fail = False
+    assert registry.revoke("sp") == []  # nothing left to remove
+    assert registry.version() > seen + 1  # the removal's own bump and the retry's

@@ -186,3 +186,27 @@ def test_a_reader_process_stores_nothing_it_could_sign(tmp_path, registry) -> No
     with TieredStore([CpuTier(1 << 20)], registry, chunk_size=4, keyring=ring) as st:
         assert put_all(st) == []
         assert st.stats.value("unsigned_puts") == 6
+
+
+def test_a_key_removed_from_the_keyring_ends_what_it_signed_in_memory_too(tmp_path, registry) -> None:
+    """Rotating a compromised key out: blobs it signed are misses from then on, in this process's memory tiers
+    as well (where the signature is not checked again, but its key must still be held)."""
+    ring = keyring(tmp_path, OLD.line())
+    with TieredStore([CpuTier(1 << 20)], registry, chunk_size=4, keyring=ring) as st:
+        put_all(st)
+        consumer = st.consumer("pair-a", "consumer-m", "space-fp")
+        assert len(consumer.get(HASHES)) == 6
+        keyring(tmp_path, NEW.line())  # k1 is gone
+        assert consumer.get(HASHES) == []
+        assert st.stats.value("bad_signatures") == 6 and st.tiers[0].usage().items == 0  # dropped from memory
+
+
+def test_a_reader_missing_a_key_never_deletes_what_it_signed_from_a_shared_disk(tmp_path, registry) -> None:
+    """A reader whose keys lag a rotation (or whose key file is briefly gone) must not delete genuine blobs."""
+    producer = keyring(tmp_path / "p", OLD.line())
+    with TieredStore([DiskTier(tmp_path / "disk", 4 << 20)], registry, chunk_size=4, keyring=producer) as st:
+        keys = put_all(st)
+    lagging = keyring(tmp_path / "r", public(NEW))
+    with TieredStore([DiskTier(tmp_path / "disk", 4 << 20)], registry, chunk_size=4, keyring=lagging) as st:
+        assert st.consumer("pair-a", "consumer-m", "space-fp").get(HASHES) == []
+        assert all(st.tiers[0].path_for(k).exists() for k in keys)

@@ -75,6 +75,19 @@ def test_chunks_from_the_engines_own_prefix_cache_are_not_stored_as_computed(ser
     side.close()
 
 
+def test_a_lora_adapter_named_like_the_producer_never_stores(service):
+    """An adapter's KV is its own weights' even when its name is the producer's (runtime loading, a resolver,
+    a typo in --lora-modules): only the served base model produces."""
+    side = SchedulerSide(service, "some-server", BLOCK)
+    new = request("a1", model=PRODUCER, block_ids=(list(range(8)),), num_computed_tokens=0)
+    assert side.build(output([new], scheduled={"a1": len(PROMPT)})).saves == []
+    base = SchedulerSide(service, PRODUCER, BLOCK)
+    assert base.build(output([request("b1", block_ids=(list(range(8)),), num_computed_tokens=0)],
+                             scheduled={"b1": len(PROMPT)})).saves  # the same server's own model does
+    side.close()
+    base.close()
+
+
 def test_consumers_and_other_models_never_store(service):
     side = SchedulerSide(service, "consumer-a", BLOCK)
     plans = side.build(output([request("c1", block_ids=(list(range(8)),), num_computed_tokens=0),
