@@ -23,6 +23,7 @@ import logging
 import math
 import os
 import re
+import stat
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -32,6 +33,8 @@ from pathlib import Path
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+from scd_store.store.fs_safety import UnsafePath, check_owner_only
 
 SIGNATURE_SIZE = 64  # Ed25519
 KEY_BYTES = 32
@@ -223,21 +226,34 @@ class Keyring:
         if self.path is None:
             return []
         if self.path.is_dir():
+            try:
+                check_owner_only(self.path, os.stat(self.path), "the key directory")
+            except UnsafePath as exc:
+                raise KeyringError(str(exc)) from None
             return sorted(self.path.glob("*.keys"))
         if not self.path.exists():
             raise FileNotFoundError(f"signing_keys {self.path} is gone")
         return [self.path]
 
+    def _stamp_of(self, files: list[Path]) -> tuple:
+        return tuple((str(f), st.st_mtime_ns, st.st_size, st.st_ino) for f in files for st in [os.lstat(f)])
+
     def _read(self) -> tuple[dict[str | None, tuple[Key, ...]], tuple]:
         files = self._files()
-        stamp = tuple((str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in files)
+        stamp = self._stamp_of(files)
         keys: dict[str | None, tuple[Key, ...]] = {}
         for f in files:
             scope = None if (self.path is None or not self.path.is_dir() or f.name == DEFAULT_FILE) \
                 else f.name[:-len(".keys")]
-            keys[scope] = parse_key_file(f.read_text(), str(f))
+            keys[scope] = parse_key_file(read_key_file(f), str(f))
+        gone = [scope for scope in self._keys if scope is not None and scope not in keys]
+        for scope in gone:  # a space's own file removed: its keys end, never the default's in their place
+            keys[scope] = ()
         if self.inline is not None:
             keys[None] = (self.inline, *keys.get(None, ()))
+        if gone:
+            self._fail(stamp, f"the key files of spaces {sorted(gone)} are gone: their blobs no longer sign or "
+                       "verify (restart to let default.keys serve them)", drop=False)
         return keys, stamp
 
     def reload(self) -> None:
@@ -245,18 +261,19 @@ class Keyring:
         path that is gone drops them (both logged and reported to ``on_error``)."""
         if self.path is None:
             return
+        stamp: tuple = ("unreadable",)
         try:
             files = self._files()
-            stamp = tuple((str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in files)
+            stamp = self._stamp_of(files)
             if stamp == self._stamp:
                 return
+            failed = self._failed_stamp
             self._keys, self._stamp = self._read()
-            self._failed_stamp = None
+            if self._failed_stamp is failed:
+                self._failed_stamp = None
         except FileNotFoundError as exc:
             self._fail(("gone",), f"{exc}: its keys no longer sign or verify", drop=True)
-        except (OSError, KeyringError) as exc:
-            with contextlib.suppress(OSError):
-                stamp = tuple((str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in self._files())
+        except Exception as exc:  # noqa: BLE001 - any failure keeps the keys read before (logged, counted)
             self._fail(stamp, f"reloading signing keys failed, keeping the keys read before: {exc}", drop=False)
 
     def _fail(self, stamp: tuple, message: str, *, drop: bool) -> None:
@@ -289,6 +306,33 @@ class Keyring:
             if k.key_id == key_id and k.valid(now):
                 return k.public if isinstance(k, SigningKey) else k
         return None
+
+
+MAX_KEY_FILE_BYTES = 64 << 10
+
+
+def read_key_file(path: Path) -> str:
+    """A key file's text: a regular file (never a link, FIFO or device), at most 64 KiB, that other users cannot
+    write (nor read, when it holds private keys)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if isinstance(exc, FileNotFoundError):
+            raise
+        raise KeyringError(f"{path}: cannot open it as a plain file ({exc})") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_KEY_FILE_BYTES:
+            raise KeyringError(f"{path} is no regular file of at most {MAX_KEY_FILE_BYTES} bytes")
+        data = f.read(MAX_KEY_FILE_BYTES + 1)
+    try:
+        check_owner_only(path, st, "the key file")
+        text = data.decode("utf-8")
+        if PRIVATE in text:
+            check_owner_only(path, st, "the private key file", unreadable=True)
+    except (UnsafePath, UnicodeDecodeError) as exc:
+        raise KeyringError(str(exc)) from None
+    return text
 
 
 def write_key_file(path: Path, lines: list[str], *, private: bool, append: bool = False) -> None:

@@ -26,6 +26,7 @@ def keyring(tmp_path, *lines: str, name: str = "default.keys") -> Keyring:
     (tmp_path / "keys").mkdir(parents=True, exist_ok=True)
     path = tmp_path / "keys" / name
     path.write_text("".join(line + "\n" for line in lines))
+    path.chmod(0o600)
     stamp = time.time() + len(lines)  # a rewrite within the same mtime tick is still seen
     os.utime(path, (stamp, stamp))
     return Keyring(tmp_path / "keys", reload_s=0)
@@ -136,6 +137,7 @@ def test_a_key_file_that_stops_parsing_keeps_its_keys_logged_and_counted(tmp_pat
 def test_a_deleted_key_file_fails_closed(tmp_path) -> None:
     errors: list[str] = []
     (tmp_path / "one.keys").write_text(OLD.line() + "\n")
+    (tmp_path / "one.keys").chmod(0o600)
     ring = Keyring(tmp_path / "one.keys", reload_s=0, on_error=errors.append)
     blob = encode_blob(META, PAYLOADS[0], key=KEY_A, signer=ring.signer("space-a"))
     (tmp_path / "one.keys").unlink()
@@ -144,6 +146,7 @@ def test_a_deleted_key_file_fails_closed(tmp_path) -> None:
         decode_blob(blob, key=KEY_A, space_id="space-a", keyring=ring)
     assert len(errors) == 1 and "gone" in errors[0]
     (tmp_path / "one.keys").write_text(OLD.line() + "\n")  # back: the keys work again
+    (tmp_path / "one.keys").chmod(0o600)
     assert ring.signer("space-a").key_id == "k1"
     decode_blob(blob, key=KEY_A, space_id="space-a", keyring=ring)
 
@@ -210,3 +213,43 @@ def test_a_reader_missing_a_key_never_deletes_what_it_signed_from_a_shared_disk(
     with TieredStore([DiskTier(tmp_path / "disk", 4 << 20)], registry, chunk_size=4, keyring=lagging) as st:
         assert st.consumer("pair-a", "consumer-m", "space-fp").get(HASHES) == []
         assert all(st.tiers[0].path_for(k).exists() for k in keys)
+
+
+def test_key_files_are_plain_files_their_owner_alone_may_change(tmp_path) -> None:
+    """Whoever can write a reader's key file or directory could add their own public key (forgeries accepted) or
+    plant a FIFO (a reader hung on its reload): refused, never followed."""
+    (tmp_path / "keys").mkdir()
+    target = tmp_path / "elsewhere.keys"
+    target.write_text(public(OLD) + "\n")
+    (tmp_path / "keys" / "default.keys").symlink_to(target)
+    with pytest.raises(KeyringError, match="plain file"):
+        Keyring(tmp_path / "keys")
+    (tmp_path / "keys" / "default.keys").unlink()
+    os.mkfifo(tmp_path / "keys" / "default.keys")
+    with pytest.raises(KeyringError, match="regular file"):
+        Keyring(tmp_path / "keys")  # returns at once: opened non-blocking
+    (tmp_path / "keys" / "default.keys").unlink()
+    (tmp_path / "keys" / "default.keys").write_text(public(OLD) + "\n")
+    (tmp_path / "keys" / "default.keys").chmod(0o666)
+    with pytest.raises(KeyringError, match="may write"):
+        Keyring(tmp_path / "keys")
+    (tmp_path / "keys" / "default.keys").chmod(0o644)  # public keys may be read by anyone
+    (tmp_path / "keys").chmod(0o777)
+    with pytest.raises(KeyringError, match="the key directory"):
+        Keyring(tmp_path / "keys")
+    (tmp_path / "keys").chmod(0o755)
+    assert Keyring(tmp_path / "keys").verifier("s", "k1") is not None
+
+
+def test_a_reload_that_cannot_decode_keeps_the_keys_and_a_removed_space_file_fails_closed(tmp_path) -> None:
+    errors: list[str] = []
+    keyring(tmp_path, public(OLD))
+    ring = keyring(tmp_path, public(NEW), name="space-b.keys")
+    ring.on_error = errors.append
+    path = tmp_path / "keys" / "space-b.keys"
+    path.write_bytes(b"\xff\xfe not utf-8")
+    os.utime(path, (time.time() + 20, time.time() + 20))
+    assert ring.verifier("space-b", "k2") is not None and len(errors) == 1  # kept, logged, counted
+    path.unlink()  # a space's own file gone: never the default's keys in its place
+    assert ring.verifier("space-b", "k2") is None and ring.verifier("space-b", "k1") is None
+    assert ring.verifier("space-a", "k1") is not None and len(errors) == 2 and "gone" in errors[1]
