@@ -301,6 +301,26 @@ def test_stats_cli_survives_any_field(server, raw, capsys) -> None:
     assert "[/x]" in text and "junk-" not in text
 
 
+def test_a_spoiled_counter_field_costs_its_own_increment_only(server, raw) -> None:
+    """A consumer may write counters: one field set to a non-integer makes its HINCRBY fail. The other deltas of
+    the flush are applied once, never re-added to the fields that took them."""
+    from scd_store.store.stats import StoreStats
+    from scd_store.store.stats_sinks import RedisStatsMirror
+
+    raw.hset(REDIS_STATS_KEY, "c|puts|||", "not a number")
+    stats = StoreStats()
+    mirror = RedisStatsMirror(server.url)
+    try:
+        stats.inc("puts", 2)
+        stats.inc("lookups", 3)
+        mirror.flush(stats)
+        mirror.flush(stats)
+        assert int(raw.hget(REDIS_STATS_KEY, "c|lookups|||")) == 3
+        assert raw.hget(REDIS_STATS_KEY, "c|puts|||") == b"not a number"
+    finally:
+        mirror.close()
+
+
 def test_stats_cli_reads_redis(server, raw, capsys) -> None:
     from scd_store.cli.main import main
 

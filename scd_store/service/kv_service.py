@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -102,6 +103,18 @@ class KVService:
             return self.store.consumer(binding.pair_id, binding.model, binding.space.fingerprint)
         except NotRegistered as exc:
             return self._revoked(binding, exc)
+
+    def _store_call(self, what: str, call: Callable[[], Any], default: Any) -> Any:
+        """A store call from an engine's thread: whatever goes wrong below (a tier walk past its deadline, the
+        store's loop gone) is a miss, counted as ``store_errors`` and logged once, never an exception in the
+        engine."""
+        try:
+            return call()
+        except Exception as exc:  # noqa: BLE001 - an engine's step must not fail on the store
+            self.store.stats.inc("store_errors")
+            self._once.warn(f"store:{what}", "scd-store: a store %s failed (a miss; counted as store_errors; logged "
+                            "once): %s: %s", what, type(exc).__name__, exc)
+            return default
 
     def _revoked(self, binding: Binding, exc: Exception) -> None:
         self.store.stats.inc("revoked_requests", space=binding.space.space_id, pair=binding.pair_id)
@@ -197,13 +210,13 @@ class KVService:
             return 0
         if binding.role == "producer":
             producer = self._producer(binding)
-            return producer.contains(hashes) if producer is not None else 0
+            return self._store_call("contains", lambda: producer.contains(hashes), 0) if producer is not None else 0
         if not self.hashing.ok(binding):
             return 0
         if tokens:
             self.count_requested(model, tokens)
         consumer = self._consumer(binding)
-        return consumer.contains(hashes) if consumer is not None else 0
+        return self._store_call("contains", lambda: consumer.contains(hashes), 0) if consumer is not None else 0
 
     def readable_by_others(self, model: str, hashes: Sequence[bytes]) -> int:
         """For a producer: chunks of the leading run of ``hashes`` the tiers other processes read (Redis, peers)
@@ -213,7 +226,9 @@ class KVService:
         if binding is None or binding.role != "producer":
             return 0
         producer = self._producer(binding)
-        return producer.readable_by_others(hashes) if producer is not None else 0
+        if producer is None:
+            return 0
+        return self._store_call("readable_by_others", lambda: producer.readable_by_others(hashes), len(hashes))
 
     def count_requested(self, model: str, tokens: int) -> None:
         """Count a consumer's lookup of ``tokens`` tokens (``requested_tokens``, the hit rate's denominator) in
@@ -248,7 +263,7 @@ class KVService:
         consumer = self._consumer(binding)
         if consumer is None:
             return []
-        chunks = consumer.get(hashes)
+        chunks = self._store_call("get", lambda: consumer.get(hashes), [])
         t0 = time.perf_counter()
         states: list[KVState] = []
         for i, chunk in enumerate(chunks):

@@ -65,6 +65,8 @@ COUNTERS: dict[str, str] = {
     "lost_writes": "dropped blobs no re-sync will write (forgotten past resync_keys, gone from the top tier, or "
                    "pending at close)",
     "tier_errors": "tier operations that failed or timed out",
+    "store_errors": "engine calls into the store that failed as a whole (a walk past its deadline, the store's loop "
+                    "gone): a miss, never an exception in the engine",
     "evictions": "blobs a tier evicted to stay in its bounds",
     "promotions": "blobs copied up to a faster tier on a hit",
     "puts": "chunks written by producers",

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import logging
 import math
 import os
 import socket
@@ -43,6 +44,7 @@ from scd_store.store.stats import (
 )
 
 PROCESS_TTL_S = 7 * 24 * 3600  # every stats key's TTL, refreshed by each flush
+log = logging.getLogger("scd_store.store")
 MAX_FIELDS = 200_000  # hash fields one read takes, the totals and every process's together
 MAX_PROCESSES = 256  # process rows one read shows (the most recently updated)
 MAX_RECORD_BYTES = 4096  # a process record longer than this is skipped
@@ -98,7 +100,9 @@ class RedisStatsMirror(StatsSink):
         self.process = process or ProcessInfo.current()
 
     def flush(self, stats: StoreStats) -> None:
-        """HINCRBY every pending delta; on failure the deltas are kept for the next flush."""
+        """HINCRBY every pending delta; when the round trip fails the deltas are kept for the next flush. A field
+        another writer spoiled (a non-integer, an overflow) refuses its own HINCRBY only: that delta is dropped
+        there, never re-added to the fields that took it."""
         pending = stats.take_pending()
         if not pending:
             return
@@ -112,10 +116,13 @@ class RedisStatsMirror(StatsSink):
             pipe.hset(procs, self.process.id, json.dumps(self.process.record()))
             for key in (REDIS_STATS_KEY, own, procs):
                 pipe.expire(key, PROCESS_TTL_S)
-            pipe.execute()
+            results = pipe.execute(raise_on_error=False)
         except Exception:
             stats.restore_pending(pending)
             raise
+        refused = sum(isinstance(r, Exception) for r in results)
+        if refused:
+            log.debug("stats flush: %d fields refused their increments (spoiled by another writer)", refused)
 
     def _scan(self, name: str, cap: int) -> dict[Any, Any]:
         """Up to ``cap`` fields of hash ``name`` (``HSCAN``: never the whole of an unbounded hash at once)."""

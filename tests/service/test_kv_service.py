@@ -194,3 +194,20 @@ def test_positions_past_the_engine_context_are_refused_before_decoding(store, bu
     space = service.binding(PRODUCER).space
     with pytest.raises(PayloadError, match="past this process's bound"):
         space.counts({"space": space.fingerprint, "packing": PACKING, "start": 2**40, "tokens": 8, "sinks": 0})
+
+
+def test_a_store_call_that_fails_as_a_whole_is_a_miss_never_an_exception_in_the_engine(store, bundle, monkeypatch):
+    """A tier walk past its deadline raises TimeoutError out of the store's loop: the engine's scheduler or worker
+    thread would die of it. The service answers a miss, counts it, logs once."""
+    service = KVService(store, [bundle])
+    _, parts = chunks()
+    service.put(PRODUCER, HASHES, parts)
+
+    def walk_past_its_deadline(*args, **kwargs):
+        raise TimeoutError("the store's loop did not answer")
+
+    monkeypatch.setattr(store.read, "lookup", walk_past_its_deadline)
+    monkeypatch.setattr(store.read, "get", walk_past_its_deadline)
+    assert service.contains("consumer-a", HASHES) == 0 and service.contains(PRODUCER, HASHES) == 0
+    assert service.get("consumer-a", HASHES) == []
+    assert store.stats.value("store_errors") == 3
