@@ -130,6 +130,24 @@ def test_max_value_bytes_and_server_maxmemory(tmp_path) -> None:
         client.close()
 
 
+def test_a_value_another_writer_made_huge_is_read_cut_at_the_bound(server, raw) -> None:
+    """Whoever can write a blob key could store 512 MB under a hot key and have every reader allocate it: reads
+    take at most max_value_bytes + 1 bytes, so such a value fails verification instead."""
+    key = keys_of("sp", "space-fp", list(range(4)), 4)[0]
+    raw.set(key, b"z" * (8 << 20))
+
+    async def go() -> list[bytes | None]:
+        tier = RedisTier(server.url, max_value_bytes=1 << 20)
+        await tier.start()
+        try:
+            return [*await tier.get_many([key]), await tier.get("scd:sp:absent")]
+        finally:
+            await tier.close()
+
+    cut, absent = run(go())
+    assert cut is not None and len(cut) == (1 << 20) + 1 and absent is None
+
+
 def test_store_over_redis_round_trip_and_corruption(server, raw, registry) -> None:
     store = TieredStore([CpuTier(1 << 20), RedisTier(server.url)], registry, chunk_size=4)
     try:

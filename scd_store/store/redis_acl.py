@@ -48,9 +48,10 @@ def acl_setuser(role: str, user: str, password: str, space_id: str | None = None
         space = validate_space_id(space_id or "")
         own = [f"~scd:{space}:*", f"%R~{_REGISTRY}", f"~{_CANARIES}:{space}", *(f"~{r}:{space}:*" for r in _REPORTS)]
         stats = f"(~{_STATS} {_READ_STATS} {_WRITE_STATS})"  # a selector: counters and reports, of every space
-        return [*base, *own, "+get", "+mget", "+exists", "+set", "+del", "+pexpire", *_READ_STATS.split(), "+hdel",
-                *_WRITE_STATS.split(), stats]
-    return [*base, "%R~scd:*", f"~{_STATS}", "+get", "+mget", "+exists", *_READ_STATS.split(), *_WRITE_STATS.split()]
+        return [*base, *own, "+get", "+mget", "+getrange", "+exists", "+set", "+del", "+pexpire", *_READ_STATS.split(),
+                "+hdel", *_WRITE_STATS.split(), stats]
+    return [*base, "%R~scd:*", f"~{_STATS}", "+get", "+mget", "+getrange", "+exists", *_READ_STATS.split(),
+            *_WRITE_STATS.split()]
 
 
 def recipe(space_id: str = "SPACE", passwords: dict[str, str] | None = None) -> str:

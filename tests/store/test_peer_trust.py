@@ -233,3 +233,25 @@ def test_the_file_directory_opens_no_fifo_symlink_or_foreign_name(tmp_path):
     assert directory.source("fifo") is None and directory.source("link") is None
     assert directory.source("../secret") is None
     assert isinstance(directory, PeerDirectory)
+
+
+def test_the_file_directory_is_its_owners_and_never_writes_through_a_planted_link(tmp_path):
+    """Another local user who could write the directory could point a source's log at any file the producer may
+    write (its registry, say) and have the producer append to it."""
+    from scd_store.store.fs_safety import UnsafePath
+    from scd_store.store.transfer.directory import FilePeerDirectory
+    from scd_store.store.transfer.entry import LocationEntry
+
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    with pytest.raises(UnsafePath):
+        FilePeerDirectory(shared)
+    directory = FilePeerDirectory(tmp_path / "peers")
+    victim = tmp_path / "registry.json"
+    victim.write_text("{}")
+    (tmp_path / "peers" / "src-1.jsonl").symlink_to(victim)
+    entry = LocationEntry(KEYS[0], "src-1", 0, 4, "", "", "")
+    with pytest.raises(OSError):
+        directory.record_entries([entry])
+    assert victim.read_text() == "{}"

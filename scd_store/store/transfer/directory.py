@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from scd_store.store.fs_safety import private_dir
 from scd_store.store.transfer.base import (
     MAX_INFO_BYTES,
     BlobRef,
@@ -179,18 +180,21 @@ class FilePeerDirectory(PeerDirectory):
     """The directory as files under ``root`` (the processes of one host); this process keeps up to
     ``max_entries`` entries it followed (the oldest are dropped: a miss)."""
 
-    def __init__(self, root: str | os.PathLike[str], max_entries: int = 1 << 20) -> None:
+    def __init__(self, root: str | os.PathLike[str], max_entries: int = 1 << 16) -> None:
         super().__init__()
-        self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root = private_dir(root, "the peer directory")  # 0700: no other user plants links or logs here
         self.max_entries = max_entries
         self._lock = threading.Lock()
         self._locations: OrderedDict[str, LocationEntry] = OrderedDict()
         self._read_upto: dict[str, int] = {}  # source log -> bytes consumed
 
     def add_source(self, info: SourceInfo) -> None:
-        tmp = self.root / f".{info.name}.info.tmp"
-        tmp.write_bytes(info.to_bytes())
+        tmp = self.root / f".{info.name}.{os.getpid()}.info.tmp"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(info.to_bytes())
         os.replace(tmp, self.root / f"{info.name}.info")
 
     def source_bytes(self, name: str) -> bytes | None:
@@ -209,8 +213,12 @@ class FilePeerDirectory(PeerDirectory):
             by_source.setdefault(e.source, []).append(e)
         for source, group in by_source.items():
             lines = "".join(json.dumps([e.key, *e.to_list()], separators=(",", ":")) + "\n" for e in group)
-            with open(self.root / f"{source}.jsonl", "a") as log:  # one write: lines land whole
-                log.write(lines)
+            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+            fd = os.open(self.root / f"{source}.jsonl", flags, 0o600)  # never through a planted link
+            with os.fdopen(fd, "a") as log:
+                if not stat.S_ISREG(os.fstat(log.fileno()).st_mode):
+                    raise OSError(f"peer directory log {source}.jsonl is no regular file")
+                log.write(lines)  # one write: lines land whole
 
     def _read_new(self, path: Path, source: str) -> bytes:
         fd = _open_regular(path)
