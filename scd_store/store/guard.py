@@ -38,11 +38,13 @@ class TierGuard:
         self.stats.inc("tier_errors", tier=tier.name)
         self.health[tier.name].failed(exc)
 
-    async def call(self, tier: Tier, op: str, fn: Callable[[], Awaitable[T]], default: T, success: Any = None) -> T:
+    async def call(self, tier: Tier, op: str, fn: Callable[[], Awaitable[T]], default: T, success: Any = None, *,
+                   health: bool = True) -> T:
         """Run one async tier operation; a failure or timeout returns ``default``, a success ``success``
-        (when given) or the operation's result."""
-        health = self.health[tier.name]
-        if not health.should_try():
+        (when given) or the operation's result. With ``health=False`` (reports a reader makes on the side) a
+        failure leaves the tier's health alone: a full report hash must not make a tier's blobs misses."""
+        state = self.health[tier.name]
+        if not state.should_try():
             return default
         t0 = time.perf_counter()
         try:
@@ -50,9 +52,10 @@ class TierGuard:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            self.failed(tier, exc)
+            if health:
+                self.failed(tier, exc)
             return default
-        health.succeeded()
+        state.succeeded()
         self.stats.observe(op, time.perf_counter() - t0, tier=tier.name)
         return success if success is not None else result
 

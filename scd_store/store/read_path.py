@@ -173,7 +173,8 @@ class ReadPath:
                 await self.guard.call(tier, "delete", lambda t=tier, b=bad: t.delete_many(b), 0)
                 self.stats.inc("quarantined_blobs", len(bad), tier=tier.name, space=space.space_id)
             elif bad:  # a reader of a shared tier: tell the producer
-                await self.guard.call(tier, "report", lambda t=tier, b=bad: t.report_suspects(_scope(space), b), None)
+                await self.guard.call(tier, "report", lambda t=tier, b=bad: t.report_suspects(_scope(space), b), None,
+                                      health=False)
             if tier.expires and op == "get":
                 self._report_hits(tier, space, [keys[i] for i, f in enumerate(results)
                                                 if isinstance(f, _Found) and f.tier_index == ti])
@@ -183,7 +184,7 @@ class ReadPath:
         if not keys:
             return
         task = asyncio.ensure_future(self.guard.call(tier, "report", lambda: tier.report_hits(_scope(space), keys),
-                                                     None))
+                                                     None, health=False))
         self._reports.add(task)
         task.add_done_callback(self._reports.discard)
 

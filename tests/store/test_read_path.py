@@ -103,3 +103,37 @@ def test_header_bounds_are_checked_before_decoding(store) -> None:
     asyncio.run(store.tiers[1].delete(keys[0]))
     assert store.consumer("pair-a", "consumer-m", "space-fp").get(HASHES) == []
     assert store.stats.value("corrupt_blobs") == 1
+
+
+def test_a_report_that_fails_leaves_the_tier_serving(registry) -> None:
+    """A consumer's report hash that is full (Redis out of memory) or refused must not make the tier's blobs
+    misses: reports are on the side."""
+    from scd_store.store.tiered import TieredStore
+    from scd_store.store.tiers.cpu import CpuTier
+    from tests.store.conftest import HASHES, FailingTier, put_all
+
+    class NoReports(FailingTier):
+        kind = "shared"
+        shared = True
+
+        async def report_hits(self, scope, keys):
+            raise ConnectionError("OOM command not allowed when used memory > 'maxmemory'")
+
+        report_suspects = report_hits
+
+    tier = NoReports()
+    store = TieredStore([CpuTier(1 << 20), tier], registry, chunk_size=4)
+    try:
+        keys = put_all(store)
+        store.flush()
+        for key in keys:
+            store.tiers[0].delete_now(key)
+        tier.data[keys[3]] = b"damaged"
+        consumer = store.consumer("pair-a", "consumer-m", "space-fp")
+        for _ in range(3):
+            assert len(consumer.get(HASHES)) == 3  # up to the damaged blob, every time
+            for key in keys[:3]:
+                store.tiers[0].delete_now(key)
+        assert not store.health["shared"].down and store.stats.value("tier_errors") == 0
+    finally:
+        store.close()
