@@ -32,7 +32,8 @@ def plugin_config(bundles: list[Path], store_yaml: Path, chunk_size: int, **scd:
              "scd.bundles": ",".join(str(b) for b in bundles), "scd.store_config": str(store_yaml)}
     extra.update({f"scd.{k}": v for k, v in scd.items()})
     return LMCacheEngineConfig.from_defaults(chunk_size=chunk_size, local_cpu=True, max_local_cpu_size=0.05,
-                                             storage_plugins=["scd"], extra_config=extra, save_unfull_chunk=True)
+                                             storage_plugins=["scd"], extra_config=extra, save_unfull_chunk=True,
+                                             pre_caching_hash_algorithm="sha256_cbor")  # never "builtin": refused
 
 
 def write_store_yaml(path: Path, disk: Path) -> Path:

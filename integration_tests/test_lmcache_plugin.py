@@ -176,6 +176,21 @@ def test_bad_configuration_fails_at_construction(setup, change, match):
         ScdStoragePlugin(dst_device="cpu", config=config, metadata=metadata, local_cpu_backend=object())
 
 
+@pytest.mark.parametrize("algorithm", ["builtin", "no-such-hash"])
+def test_a_chunk_hash_a_tenant_could_invert_is_refused(setup, algorithm):
+    """LMCache's default chunk hash is Python's hash of token tuples: a tenant could craft a prompt that hashes like
+    another's and have its KV coded under that key, signed by the producer and served to every consumer."""
+    bundle, store_yaml, _ = setup
+    config = plugin_config([bundle], store_yaml, CHUNK)
+    config.pre_caching_hash_algorithm = algorithm
+    from lmcache.v1.metadata import LMCacheMetadata
+
+    metadata = LMCacheMetadata(model_name=PRODUCER, world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
+                               kv_dtype=torch.float16, kv_shape=(LAYOUT.num_layers, 2, CHUNK, HEADS, DIM))
+    with pytest.raises(SettingsError, match="not cryptographic"):
+        ScdStoragePlugin(dst_device="cpu", config=config, metadata=metadata, local_cpu_backend=object())
+
+
 def test_engine_shape_that_does_not_fit_the_space_fails(setup):
     bundle, store_yaml, _ = setup
     config = plugin_config([bundle], store_yaml, CHUNK)

@@ -37,6 +37,7 @@ LMCACHE_KV = {"kv_connector": "LMCacheCpuConnector", "kv_connector_module_path":
 def lmcache_yaml(path, bundle, store_yaml, aliases: dict[str, str]):
     path.write_text(yaml.safe_dump({
         "chunk_size": CHUNK, "local_cpu": True, "max_local_cpu_size": 0.2, "storage_plugins": ["scd"],
+        "pre_caching_hash_algorithm": "sha256_cbor",  # the plugin refuses LMCache's default (Python's hash)
         "extra_config": {"storage_plugin.scd.module_path": "scd_store.adapters.lmcache.plugin",
                          "storage_plugin.scd.class_name": "ScdStoragePlugin", "scd.bundles": str(bundle),
                          "scd.store_config": str(store_yaml), "scd.aliases": aliases}}))

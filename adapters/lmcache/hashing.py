@@ -6,7 +6,25 @@ import os
 from typing import Any
 
 from scd_store.adapters.lmcache.layout import chunk_hash_bytes
+from scd_store.service import SettingsError
 from scd_store.service.hash_agreement import HashCanary, canary_tokens, package_version
+
+STRONG_ALGORITHMS = ("sha256", "sha256_cbor", "sha256_cbor_64bit", "blake3")
+
+
+class WeakChunkHash(SettingsError):
+    """A chunk hash a tenant could invert: a prompt crafted to hash like another's would be stored and served under
+    its key, so scd-store refuses to store or serve through it."""
+
+
+def check_hash_strength(algorithm: str, hash_func: Any = None) -> None:
+    """Refuse LMCache chunk hashes that are not cryptographic (``builtin``: Python's ``hash`` of token tuples), and
+    a sha256 name that LMCache silently replaced by Python's ``hash`` (vLLM's hash functions not importable)."""
+    if algorithm not in STRONG_ALGORITHMS or hash_func is hash:
+        raise WeakChunkHash(f"LMCache's chunk hash {algorithm!r} is not cryptographic here: a tenant could craft a "
+                            "prompt that hashes like another's and have its KV stored under that key. Set "
+                            "pre_caching_hash_algorithm: sha256_cbor (with vLLM installed) or use the multiprocess "
+                            "server with --hash-algorithm blake3")
 
 
 def lmcache_canary(config: Any) -> HashCanary:
@@ -18,6 +36,7 @@ def lmcache_canary(config: Any) -> HashCanary:
     algorithm = str(config.pre_caching_hash_algorithm)
     database = object.__new__(token_database.ChunkedTokenDatabase)  # no __init__: it would re-seed NONE_HASH
     database.hash_func = database._get_vllm_hash_func(algorithm)
+    check_hash_strength(algorithm, database.hash_func)
     prefix = token_database.NONE_HASH
     tokens = canary_tokens(chunk)
     for i in range(2):
@@ -46,6 +65,7 @@ def mp_server_canary(argv: list[str] | None = None) -> HashCanary | None:
     add_mp_server_args(parser)
     args, _ = parser.parse_known_args(argv[argv.index("server") + 1:])
     chunk, algorithm = int(args.chunk_size), str(args.hash_algorithm)
+    check_hash_strength(algorithm)
     if algorithm != "blake3":
         return None
     last = TokenHasher(chunk_size=chunk, hash_algorithm=algorithm).compute_chunk_hashes(canary_tokens(chunk))[-1]

@@ -24,13 +24,13 @@ it on a host or network only the deployment's engines reach.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import xxhash
 from lmcache.lmcache_native import Bitmap
 from lmcache.v1.distributed.api import ObjectKey
 from lmcache.v1.distributed.internal_api import L2StoreResult
@@ -53,7 +53,7 @@ POSITION_WAIT_S = 1.0  # how long an L1 chunk may wait for its MP_TOKENS event
 
 def object_hash(key: ObjectKey) -> bytes:
     """A 16-byte store hash for an LMCache object key: its chunk hash, in its ``cache_salt`` namespace."""
-    return xxhash.xxh3_128(b"lmcache-mp/" + bytes(key.chunk_hash) + b"|salt|" + key.cache_salt.encode()).digest()
+    return hashlib.sha256(b"lmcache-mp/" + bytes(key.chunk_hash) + b"|salt|" + key.cache_salt.encode()).digest()[:16]
 
 
 class _Results:
@@ -87,10 +87,14 @@ class ScdL2Adapter(L2AdapterInterface):
         try:
             self.settings = EngineSettings.from_mapping(config or {})
             self.service = acquire_service(self.settings)
+            try:
+                self._check_hashing()
+            except BaseException:
+                release_service(self.service)
+                raise
         except Exception as exc:
             log.error("scd-store LMCache L2 adapter: bad configuration: %s", exc)
             raise
-        self._check_hashing()
         self.positions = PositionLedger()
         self._event_bus.subscribe(EventType.MP_TOKENS, self.positions.record_event)
         self._stores, self._lookups, self._loads = _Results(), _Results(), _Results()

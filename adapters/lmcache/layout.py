@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import torch
-import xxhash
 
 from scd_store.codecs.kv_state import KVState
 
@@ -16,7 +16,7 @@ def chunk_hash_bytes(chunk_hash: int, namespace: tuple[tuple[str, str], ...] = (
     data = b"lmcache/chunk/%d" % int(chunk_hash)
     if namespace:
         data += b"|tags|" + json.dumps(sorted(namespace), separators=(",", ":")).encode()
-    return xxhash.xxh3_128(data).digest()
+    return hashlib.sha256(data).digest()[:16]  # tags are a tenant's: a cryptographic hash, never a fast one
 
 
 def state_from_kv_2ltd(tensor: torch.Tensor, num_kv_heads: int, start: int) -> KVState:

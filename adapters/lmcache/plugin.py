@@ -2,6 +2,7 @@
 
 Configure in the LMCache YAML::
 
+    pre_caching_hash_algorithm: sha256_cbor    # LMCache's default (Python's hash) is refused
     storage_plugins: [scd]
     extra_config:
       storage_plugin.scd.module_path: scd_store.adapters.lmcache.plugin

@@ -8,10 +8,10 @@ of 2, are given by :data:`AXES`: ``layer_first`` ``[layers, page, heads, dim]``,
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import torch
-import xxhash
 
 from scd_store.codecs.kv_state import KVState
 
@@ -23,7 +23,7 @@ STATE_AXES = "LHTD"  # KVState's order
 
 def page_hash_bytes(key: str) -> bytes:
     """A 16-byte store hash for SGLang's page key (a SHA-256 chain over the prefix, as hex)."""
-    return xxhash.xxh3_128(b"sglang/page/" + key.encode()).digest()
+    return hashlib.sha256(b"sglang/page/" + key.encode()).digest()[:16]
 
 
 def _to_lhtd(page: torch.Tensor, layout: str) -> torch.Tensor:

@@ -112,7 +112,7 @@ def run_engine_put_bench(config: EnginePutConfig) -> dict[str, Any]:
              "scd.bundles": str(work / "bundle"), "scd.store_config": str(work / "store.yaml")}
     lm_config = LMCacheEngineConfig.from_defaults(chunk_size=config.chunk_tokens, local_cpu=True,
                                                   max_local_cpu_size=2.0, storage_plugins=["scd"],
-                                                  extra_config=extra)
+                                                  extra_config=extra, pre_caching_hash_algorithm="sha256_cbor")
     width = config.kv_heads * config.head_dim
     kv = torch.zeros(2, config.layers, config.prompt_tokens, width, dtype=torch.float16)
     metadata = LMCacheMetadata(model_name=PRODUCER, world_size=1, local_world_size=1, worker_id=0,

@@ -4,14 +4,17 @@ A key names a 16-byte chunk hash in one generation of a space: ``generation`` is
 ``v{blob format}.{xxh3-64 of the space fingerprint}`` (:func:`generation_of`), so two bundle
 generations of a space (a rollout) and two blob formats never share a key. Engines bring their own chain of chunk hashes
 (LMCache's, SGLang's); everyone else turns tokens into hashes with :func:`chunk_hashes`, a
-chained, stable xxh3-128: ``h_0 = ROOT``, ``h_i = xxh3_128(h_{i-1} || le_int64(tokens_i))``. Only
-whole chunks are hashed: a trailing partial chunk has no key. Python's ``hash`` is never used (it
-is salted per process).
+chained SHA-256 cut to 16 bytes: ``h_0 = ROOT``, ``h_i = sha256(h_{i-1} || le_int64(tokens_i))[:16]``.
+Tenants choose the tokens, so the chain must resist second preimages (a prompt crafted to hash like
+another tenant's would be stored, and served, under its key): a cryptographic hash, never a fast
+non-cryptographic one, nor Python's ``hash``. Only whole chunks are hashed: a trailing partial chunk
+has no key.
 """
 
 from __future__ import annotations
 
 import array as _array
+import hashlib
 import re
 from collections.abc import Sequence
 
@@ -21,7 +24,7 @@ import xxhash
 DEFAULT_CHUNK_SIZE = 256
 KEY_PREFIX = "scd"
 KEY_FORMAT = 3  # the blob format version the keys name (scd_store.store.blob.FORMAT_VERSION)
-ROOT_HASH = xxhash.xxh3_128(b"scd-store/chunk-chain/v1").digest()
+ROOT_HASH = hashlib.sha256(b"scd-store/chunk-chain/v2").digest()[:16]
 _SPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _HEX_RE = re.compile(r"^[0-9a-f]{32}$")
 _GENERATION_RE = re.compile(r"^v[0-9]+\.[0-9a-f]{16}$")
@@ -82,9 +85,9 @@ def chunk_hashes(tokens: Sequence[int] | np.ndarray, chunk_size: int = DEFAULT_C
     step = chunk_size * 8
     parent = ROOT_HASH
     out: list[bytes] = []
-    hasher = xxhash.xxh3_128
+    sha256 = hashlib.sha256
     for i in range(count):
-        parent = hasher(parent + data[i * step:(i + 1) * step]).digest()
+        parent = sha256(parent + data[i * step:(i + 1) * step]).digest()[:16]
         out.append(parent)
     return out
 

@@ -1,8 +1,9 @@
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import pytest
-import xxhash
 
 from scd_store.store.keys import (
     ROOT_HASH,
@@ -20,8 +21,9 @@ def test_chain_matches_definition() -> None:
     tokens = list(range(10))
     hashes = chunk_hashes(tokens, 4)
     assert len(hashes) == 2  # the trailing partial chunk (2 tokens) has no key
-    h1 = xxhash.xxh3_128(ROOT_HASH + np.arange(4, dtype="<i8").tobytes()).digest()
-    h2 = xxhash.xxh3_128(h1 + np.arange(4, 8, dtype="<i8").tobytes()).digest()
+    assert hashlib.sha256(b"scd-store/chunk-chain/v2").digest()[:16] == ROOT_HASH
+    h1 = hashlib.sha256(ROOT_HASH + np.arange(4, dtype="<i8").tobytes()).digest()[:16]
+    h2 = hashlib.sha256(h1 + np.arange(4, 8, dtype="<i8").tobytes()).digest()[:16]
     assert hashes == [h1, h2]
 
 
