@@ -376,5 +376,5 @@ def open_registry(redis_url: str | None = None, path: str | os.PathLike[str] | N
     if path is None:
         from scd_store.paths import data_dir
 
-        path = data_dir() / "store" / "registry.json"
+        path = data_dir() / "registry" / "registry.json"  # outside every tier's root
     return FileRegistry(path)
