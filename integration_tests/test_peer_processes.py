@@ -36,16 +36,22 @@ def process(role: str, bundle, yaml_path: str, env: dict) -> JsonLineProcess:
     return JsonLineProcess("integration_tests.engine_processes", [role, "--settings", json.dumps(settings)], env)
 
 
-@pytest.mark.skipif(not nixl_available(), reason="NIXL with UCX is installed by make test")
-def test_a_consumer_process_reads_a_producer_process_memory_over_nixl(tmp_path, signing_keys):
+def producer_and_consumer(tmp_path, signing_keys):
+    """A producer process publishing into a peer directory and a consumer process holding the public key only
+    (it verifies the producer's entries and blobs, and can sign nothing)."""
     bundle = tmp_path / "bundle"
     write_tiny_bundle(bundle, consumers=("consumer-a",))
     peers = tmp_path / "peers"
     env = {"SCD_STORE_HOME": str(tmp_path / "home")}
     producer = process("producer", bundle, store_yaml(tmp_path / "producer.yaml", peers, True), env)
-    # the consumer holds the public key only: it verifies the producer's entries and blobs, and can sign nothing
     consumer = process("consumer", bundle, store_yaml(tmp_path / "consumer.yaml", peers, False),
                        {**env, "SCD_STORE_SIGNING_KEYS": str(signing_keys["public"])})
+    return bundle, peers, producer, consumer
+
+
+@pytest.mark.skipif(not nixl_available(), reason="NIXL with UCX is installed by make test")
+def test_a_consumer_process_reads_a_producer_process_memory_over_nixl(tmp_path, signing_keys):
+    bundle, peers, producer, consumer = producer_and_consumer(tmp_path, signing_keys)
     try:
         assert producer.ask({"put": {"model": PRODUCER, "tokens": TOKENS, "seed": 2, "chunk": CHUNK}})["drained"]
         (log,) = peers.glob("*.jsonl")
@@ -76,13 +82,7 @@ def test_a_consumer_process_refuses_a_source_info_swapped_to_another_agent(tmp_p
     from scd_store.store.transfer import SourceInfo
     from scd_store.store.transfer.nixl_transfer import NixlBlobSource
 
-    bundle = tmp_path / "bundle"
-    write_tiny_bundle(bundle, consumers=("consumer-a",))
-    peers = tmp_path / "peers"
-    env = {"SCD_STORE_HOME": str(tmp_path / "home")}
-    producer = process("producer", bundle, store_yaml(tmp_path / "producer.yaml", peers, True), env)
-    consumer = process("consumer", bundle, store_yaml(tmp_path / "consumer.yaml", peers, False),
-                       {**env, "SCD_STORE_SIGNING_KEYS": str(signing_keys["public"])})
+    _, peers, producer, consumer = producer_and_consumer(tmp_path, signing_keys)
     attacker = NixlBlobSource(1 << 20)  # an agent of whoever can write the directory
     try:
         assert producer.ask({"put": {"model": PRODUCER, "tokens": TOKENS, "seed": 2, "chunk": CHUNK}})["drained"]

@@ -104,7 +104,8 @@ class RedisTier(Tier):
     async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         """The values of ``keys``, each read with ``GETRANGE 0 max_value_bytes``: a value another writer made
         larger than the tier's bound comes back cut one byte past it (a blob that fails verification), never
-        whole into this process's memory. An empty reply is a missing key (no blob is empty)."""
+        whole into this process's memory (``EXISTS`` in the same pipeline tells a missing key from an empty value,
+        which is damage to report)."""
         if not keys:
             return []
         if self.max_value_bytes is None:
@@ -116,10 +117,12 @@ class RedisTier(Tier):
         async def read(client: Any) -> list[Any]:
             pipe = client.pipeline(transaction=False)
             for key in keys:
+                pipe.exists(key)
                 pipe.getrange(key, 0, end)
             return await pipe.execute()
 
-        return [value or None for value in await self._run(read)]
+        replies = await self._run(read)
+        return [value if exists else None for exists, value in zip(replies[::2], replies[1::2], strict=True)]
 
     def _accept(self, value: bytes) -> bool:
         if len(value) > self.max_value_bytes:
