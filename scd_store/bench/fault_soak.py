@@ -301,7 +301,7 @@ def _report(config: FaultSoakConfig, codes: list[int], reports: list[dict[str, A
         "repaired_by_producer": total("repaired_blobs", [producer]),
         "refused_reports": total("refused_reports", [producer]), "ttl_refreshes": total("ttl_refreshes", [producer]),
         "rogue_unsigned_puts": total("unsigned_puts", reports[-1:]),
-        "redis_incidents": sum(r.get("incidents", {}).get("redis", 0) for r in reports),
+        "redis_incidents": sum(r.get("incidents", {}).get("redis", 0) for r in reports[:-1]),  # not the rogue's
         "disk_errors": producer.get("tier_counters", {}).get("disk", {}).get("tier_errors", 0) if mounted else 0,
         "consumers_refusing_after_revocation": len(refusal_delays),
     }
