@@ -34,6 +34,7 @@ from typing import Any
 
 import xxhash
 
+from scd_store.store import strict_json
 from scd_store.store.keys import KEY_FORMAT
 from scd_store.store.signing import SIGNATURE_SIZE, Keyring, SigningKey
 
@@ -123,20 +124,9 @@ def encode_blob(meta: BlobMeta, payload: bytes | bytearray | memoryview, *, key:
     return b"".join([*parts, signer.sign(_signed_message(key, *parts))])
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a number a blob header may hold")
-
-
-def _finite(text: str) -> float:
-    value = float(text)
-    if value in (float("inf"), float("-inf")):
-        raise ValueError(f"{text[:20]} overflows a float")
-    return value
-
-
 def _meta_from_json(header: bytes) -> BlobMeta:
     try:
-        obj = json.loads(header.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite)
+        obj = strict_json.loads(header.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise BlobError(f"blob header is not valid UTF-8 JSON: {exc}") from None
     if not isinstance(obj, dict) or set(obj) != set(_HEADER_FIELDS):

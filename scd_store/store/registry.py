@@ -24,6 +24,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from scd_store.store import strict_json
 from scd_store.store.fs_safety import UnsafePath, check_owner_only, private_dir
 from scd_store.store.keys import generation_of, validate_space_id
 from scd_store.store.records import NotAuthorized, NotRegistered, Pair, RegistryError, Space
@@ -51,14 +52,10 @@ def _record(cls: type, obj: Any) -> Any:
         raise NotRegistered(f"a malformed {cls.__name__.lower()} record in the registry: {exc}") from None
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} in a registry record")
-
-
 def _loads(raw: Any) -> dict[str, Any] | None:
     """A stored record's JSON object, or None when it is none (junk is as good as absent)."""
     try:
-        obj = json.loads(raw, parse_constant=_no_constant)
+        obj = strict_json.loads(raw)
     except (ValueError, TypeError, RecursionError):
         return None
     return obj if isinstance(obj, dict) else None
@@ -213,7 +210,7 @@ class FileRegistry(Registry):
 
     def _read(self) -> dict[str, dict[str, dict[str, Any]]]:
         try:
-            data = json.loads(self._raw())
+            data = strict_json.loads(self._raw())
         except FileNotFoundError:
             return {kind: {} for kind in KINDS}
         except UnsafePath:
@@ -346,7 +343,7 @@ class RedisRegistry(Registry):
         found: dict[str, dict[str, Any]] = {}
         for engine, raw in self.client.hgetall(_canary_key(space_id)).items():
             try:
-                record = json.loads(raw)
+                record = strict_json.loads(raw)
             except ValueError:
                 continue
             if isinstance(record, dict):

@@ -17,6 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from scd_store.store.strict_json import loads
+
 INFO_FORMAT = "scd-xfer"
 INFO_VERSION = 1
 MAX_INFO_BYTES = 1 << 20  # a serialised SourceInfo (header + agent metadata)
@@ -33,13 +35,7 @@ class TransferError(RuntimeError):
     """A transfer that could not be set up (bad peer info, no memory). Failed reads are misses, not errors."""
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a number transfer data may hold")
-
-
-def strict_json(data: bytes | str) -> Any:
-    """JSON another process wrote: NaN and Infinity refused (ValueError, like any malformed JSON)."""
-    return json.loads(data, parse_constant=_no_constant)
+strict_json = loads  # JSON another process wrote: non-finite numbers refused (scd_store.store.strict_json)
 
 
 def strict_int(value: Any, lo: int, hi: int) -> int | None:
