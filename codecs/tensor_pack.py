@@ -17,6 +17,8 @@ from typing import Any, NoReturn
 
 import torch
 
+from scd_store.errors import ScdStoreError
+
 MAGIC = b"SCDP"
 VERSION = 1
 _PREFIX = struct.Struct("<4sHI")
@@ -35,7 +37,7 @@ _DTYPES = {
 _NAMES = {v: k for k, v in _DTYPES.items()}
 
 
-class PayloadError(ValueError):
+class PayloadError(ScdStoreError, ValueError):
     """A payload is malformed, truncated, of another version or of another codec."""
 
 

@@ -13,13 +13,14 @@ import torch
 
 from scd_store.codecs.scd.layout import KVLayout
 from scd_store.codecs.scd.rope import RopeSpec
+from scd_store.errors import ScdStoreError
 
 # frequencies that change once a sequence passes the original context (transformers' dynamic update)
 _CHANGING = ("dynamic", "longrope")
 _HYBRID_LAYERS = ("mamba", "linear_attention", "conv", "mamba2", "recurrent")
 
 
-class UnsupportedModel(ValueError):
+class UnsupportedModel(ScdStoreError, ValueError):
     """A model whose KV cache scd-store cannot code (MLA, hybrid layers, partial rotary)."""
 
 

@@ -18,10 +18,12 @@ from typing import Any
 
 import torch
 
+from scd_store.errors import ScdStoreError
+
 DIGIT = 64  # every dtype the CPU backend caches in holds 1..64 exactly
 
 
-class LayoutError(RuntimeError):
+class LayoutError(ScdStoreError, RuntimeError):
     """vLLM's KV cache layout is not one scd-store can read and write exactly."""
 
 

@@ -24,12 +24,13 @@ from scd_store.codecs.scd.layout import KVLayout
 from scd_store.codecs.scd.patch import PatchAligner
 from scd_store.codecs.scd.space import CodeSpace
 from scd_store.codecs.tensor_pack import json_int, strict_json
+from scd_store.errors import ScdStoreError
 
 FORMAT = "scd-bundle"
 FORMAT_VERSION = 1
 
 
-class BundleError(ValueError):
+class BundleError(ScdStoreError, ValueError):
     """A bundle is missing, of another format version, corrupt, or for other models."""
 
 

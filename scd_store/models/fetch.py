@@ -6,10 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from scd_store.errors import ScdStoreError
 from scd_store.paths import downloads_dir
 
 
-class FetchError(RuntimeError):
+class FetchError(ScdStoreError, RuntimeError):
     """A package could not be downloaded."""
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from scd_store.errors import ScdStoreError
 from scd_store.models import catalog
 from scd_store.models.fetch import pip_download
 from scd_store.models.fingerprint import file_fingerprint, tensors_fingerprint
@@ -26,7 +27,7 @@ from scd_store.paths import downloads_dir, models_dir
 MANIFEST = "scd_model.json"
 
 
-class ModelNotPrepared(RuntimeError):
+class ModelNotPrepared(ScdStoreError, RuntimeError):
     """A named model has no prepared checkpoint yet."""
 
 

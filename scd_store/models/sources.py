@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from scd_store.errors import ScdStoreError
 from scd_store.models import catalog
 from scd_store.models.prepare import MANIFEST, model_dir, read_manifest
 
@@ -21,7 +22,7 @@ NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 ADAPTER_CONFIG = "adapter_config.json"
 
 
-class ModelSpecError(ValueError):
+class ModelSpecError(ScdStoreError, ValueError):
     """A model spec that names nothing loadable, or a consumer that does not fit its producer."""
 
 

@@ -11,11 +11,13 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from scd_store.errors import ScdStoreError
+
 TEXT_SUFFIXES = (".txt", ".md")
 JSONL_SUFFIXES = (".jsonl",)
 
 
-class TextError(ValueError):
+class TextError(ScdStoreError, ValueError):
     """User text that cannot be read: a missing path, an empty file, a malformed JSONL line."""
 
 

@@ -7,11 +7,12 @@ from dataclasses import dataclass
 
 from scd_store.codecs.scd.codec import ScdCodec
 from scd_store.codecs.scd.space import CodeSpace
+from scd_store.errors import ScdStoreError
 
 ROLES = ("producer", "consumer")
 
 
-class ServiceError(ValueError):
+class ServiceError(ScdStoreError, ValueError):
     """A bad service configuration (unreadable bundle, a model bound twice)."""
 
 

@@ -41,11 +41,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from scd_store.errors import ScdStoreError
+
 KNOWN = ("bundles", "store_config", "aliases", "put_queue_chunks", "get_deadline_s", "serves_adapters", "model_tag",
          "models", "discovery_interval_s", "register_bundles", "max_positions")
 
 
-class SettingsError(ValueError):
+class SettingsError(ScdStoreError, ValueError):
     """A bad scd-store section in an engine's configuration."""
 
 

@@ -34,6 +34,7 @@ from typing import Any
 
 import xxhash
 
+from scd_store.errors import ScdStoreError
 from scd_store.store import strict_json
 from scd_store.store.keys import KEY_FORMAT
 from scd_store.store.signing import SIGNATURE_SIZE, Keyring, SigningKey
@@ -49,7 +50,7 @@ _HEADER_FIELDS = ("codec_id", "space_fingerprint", "token_count")
 _SIGNED_CONTEXT = b"scd-store/blob/v3\0"
 
 
-class BlobError(ValueError):
+class BlobError(ScdStoreError, ValueError):
     """A blob failed a check (magic, version, length, checksum, header, bounds): never decode it."""
 
 

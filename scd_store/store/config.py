@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from scd_store.errors import ScdStoreError
 from scd_store.store.fs_safety import inside
 from scd_store.store.keys import DEFAULT_CHUNK_SIZE, validate_chunk_size
 from scd_store.store.redis_url import parse_redis_url
@@ -23,7 +24,7 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb"
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
-class ConfigError(ValueError):
+class ConfigError(ScdStoreError, ValueError):
     """An invalid store configuration."""
 
 

@@ -11,8 +11,10 @@ import os
 import stat
 from pathlib import Path
 
+from scd_store.errors import ScdStoreError
 
-class UnsafePath(ValueError):  # noqa: N818 - the name says what it is
+
+class UnsafePath(ScdStoreError, ValueError):  # noqa: N818 - the name says what it is
     """A directory (or key file) that other users could write (or read, for a private key)."""
 
 

@@ -21,6 +21,8 @@ from collections.abc import Sequence
 import numpy as np
 import xxhash
 
+from scd_store.errors import ScdStoreError
+
 DEFAULT_CHUNK_SIZE = 256
 KEY_PREFIX = "scd"
 KEY_FORMAT = 3  # the blob format version the keys name (scd_store.store.blob.FORMAT_VERSION)
@@ -30,7 +32,7 @@ _HEX_RE = re.compile(r"^[0-9a-f]{32}$")
 _GENERATION_RE = re.compile(r"^v[0-9]+\.[0-9a-f]{16}$")
 
 
-class KeyError_(ValueError):  # noqa: N801 - avoid shadowing the builtin KeyError
+class KeyError_(ScdStoreError, ValueError):  # noqa: N801 - avoid shadowing the builtin KeyError
     """Invalid tokens, space id or key string."""
 
 

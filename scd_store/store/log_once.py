@@ -1,10 +1,14 @@
-"""One log line per kind of incident, however often it recurs (engines call scd-store per request)."""
+"""One log line per kind of incident, however often it recurs (engines call scd-store per request).
+
+:class:`LogOnce` logs; :class:`Incidents` counts an incident in the stats and logs its first occurrence,
+the pattern every miss-not-error path follows ("a wrong answer is worse than a miss": count it, say it once).
+"""
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from typing import Any, Protocol
 
 
 class LogOnce:
@@ -21,3 +25,24 @@ class LogOnce:
                 return
             self._seen.add(what)
         self.logger.warning(message, *args)
+
+
+class _Counts(Protocol):
+    def inc(self, name: str, amount: int = 1, *, tier: str = "", space: str = "", pair: str = "") -> None: ...
+
+
+class Incidents:
+    """Count an incident and log its first occurrence: ``count(counter, message, *args, n=, once=, labels)``.
+
+    ``once`` (default: the counter's name) is what "first" means: one line per counter, or per counter and
+    model, tier... The message should name the counter so a reader finds it in ``scd-store stats``."""
+
+    def __init__(self, stats: _Counts, logger: logging.Logger) -> None:
+        self.stats = stats
+        self.log = LogOnce(logger)
+
+    def count(self, counter: str, message: str, *args: Any, n: int = 1, once: str | None = None,
+              tier: str = "", space: str = "", pair: str = "") -> None:
+        """``stats.inc(counter, n, tier=, space=, pair=)``, then ``message % args`` the first time ``once``."""
+        self.stats.inc(counter, n, tier=tier, space=space, pair=pair)
+        self.log.warn(once or counter, message, *args)

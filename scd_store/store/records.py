@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from scd_store.errors import ScdStoreError
 from scd_store.store.keys import generation_of, validate_space_id
 
 
-class RegistryError(ValueError):
+class RegistryError(ScdStoreError, ValueError):
     """A registry problem (conflicting registration, unreadable registry)."""
 
 

@@ -20,10 +20,12 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from scd_store.errors import ScdStoreError
+
 SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster", "redis+sentinel", "rediss+sentinel")
 
 
-class RedisURLError(ValueError):
+class RedisURLError(ScdStoreError, ValueError):
     """A Redis URL that cannot be understood."""
 
 

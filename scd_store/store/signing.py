@@ -34,6 +34,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
+from scd_store.errors import ScdStoreError
 from scd_store.store.fs_safety import UnsafePath, check_owner_only
 
 SIGNATURE_SIZE = 64  # Ed25519
@@ -44,7 +45,7 @@ _KEY_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 log = logging.getLogger("scd_store.store")
 
 
-class KeyringError(ValueError):
+class KeyringError(ScdStoreError, ValueError):
     """An unreadable or malformed key file."""
 
 

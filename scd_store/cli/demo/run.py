@@ -29,6 +29,7 @@ from scd_store.bench.ttft import first_token
 from scd_store.cli.demo.prompts import REQUESTS, SYSTEM_PROMPT
 from scd_store.cli.tables import one_line
 from scd_store.codecs.kv_state import KVState
+from scd_store.errors import ScdStoreError
 from scd_store.models import catalog
 from scd_store.models.prepare import ModelNotPrepared
 from scd_store.paths import data_dir
@@ -43,7 +44,7 @@ ENGINES = ("auto", "vllm", "transformers")
 QUICK_CALIBRATION = {"steps": 100, "windows": 24, "base_config": CalibrationConfig(continuation_tokens=32)}
 
 
-class DemoError(RuntimeError):
+class DemoError(ScdStoreError, RuntimeError):
     """Something the demo needs is missing; the message says how to get it."""
 
     def __init__(self, message: str, code: int = 2) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from scd_store.errors import ScdStoreError
 from scd_store.store.tiers.lru import ByteLRU
 
 if TYPE_CHECKING:
@@ -21,7 +22,7 @@ EvictListener = Callable[[str, str, int], None]  # (tier name, key, bytes)
 Counter = Callable[[str, int], None]  # (counter name, amount): the store's stats, labelled with this tier
 
 
-class TierError(RuntimeError):
+class TierError(ScdStoreError, RuntimeError):
     """A tier could not serve a request (connection lost, I/O error, bad configuration)."""
 
 

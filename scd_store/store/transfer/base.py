@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from scd_store.errors import ScdStoreError
 from scd_store.store.strict_json import loads
 
 INFO_FORMAT = "scd-xfer"
@@ -31,7 +32,7 @@ _INFO_FIELDS = {"format", "version", "name", "kind", "mem_type", "base", "size",
 KINDS, MEM_TYPES = ("nixl", "copy"), ("DRAM", "VRAM")
 
 
-class TransferError(RuntimeError):
+class TransferError(ScdStoreError, RuntimeError):
     """A transfer that could not be set up (bad peer info, no memory). Failed reads are misses, not errors."""
 
 
