@@ -1,0 +1,10 @@
+"""The service's defaults, defined once: the engine settings (:mod:`scd_store.service.settings`) and
+:class:`~scd_store.service.kv_service.KVService` both take them from here."""
+
+from __future__ import annotations
+
+PUT_QUEUE_CHUNKS = 256  # chunks a producer may have waiting to be encoded; more are dropped and counted
+GET_DEADLINE_S = 5.0  # how long a consumer's get may decode before it returns what it has
+DISCOVERY_INTERVAL_S = 2.0  # how often unbound models are looked up in the registry (0: never)
+MAX_POSITIONS = 32768  # the engine's context length when it does not say
+MODEL_TAG = "scd_model"  # LMCache: the request tag naming the adapter a request reads as
