@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -20,7 +20,20 @@ from scd_store.codecs.kv_state import KVState
 from scd_store.codecs.tensor_pack import PayloadError
 
 if TYPE_CHECKING:
-    from scd_store.codecs.scd.codec import ScdCodec
+    from scd_store.codecs.scd.space import CodeSpace, SpaceCodes
+
+
+class ScdCodec(Protocol):
+    """What a captured decode needs of :class:`~scd_store.codecs.scd.codec.ScdCodec` (named here, so the
+    codec can import this module without a cycle)."""
+
+    space: CodeSpace
+
+    def angles(self, start: int, tokens: int, device, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def decode_codes(self, codes: SpaceCodes, device, dtype: torch.dtype,
+                     angles: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     out: tuple[torch.Tensor, torch.Tensor] | None = None) -> KVState: ...
 
 log = logging.getLogger(__name__)
 

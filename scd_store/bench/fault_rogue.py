@@ -52,7 +52,7 @@ class Rogue:
         return self.keys_of(self.rng.randrange(self.spec["prefixes"]))
 
     def claim_producer(self) -> int:
-        from scd_store.bench.fault_worker import CHUNK, FINGERPRINT, PRODUCER, SPACE
+        from scd_store.bench.fault_space import CHUNK, FINGERPRINT, PRODUCER, SPACE
         from scd_store.store.keys import chunk_hashes
 
         hashes = chunk_hashes([9_000_000 + self.rng.randrange(10**6) for _ in range(CHUNK)], CHUNK)
@@ -60,7 +60,7 @@ class Rogue:
         return len(view.put(hashes, [b"the consumer's own kv"], [CHUNK], codec_id="raw"))
 
     def _forgeries(self, key: str) -> list[bytes]:
-        from scd_store.bench.fault_worker import CHUNK, FINGERPRINT
+        from scd_store.bench.fault_space import CHUNK, FINGERPRINT
         from scd_store.store.blob import BlobMeta, encode_blob
         from scd_store.store.signing import SigningKey, VerifyKey, parse_key_file
 
@@ -114,7 +114,7 @@ class Rogue:
         return got
 
     def forge_reports(self) -> int:
-        from scd_store.bench.fault_worker import FINGERPRINT, OTHER_FINGERPRINT, SPACE, other_generation_keys
+        from scd_store.bench.fault_space import FINGERPRINT, OTHER_FINGERPRINT, SPACE, other_generation_keys
         from scd_store.store.keys import generation_of
 
         genuine = self._keys()

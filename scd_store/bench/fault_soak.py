@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from scd_store.bench.fault_worker import (
+from scd_store.bench.fault_space import (
     CHUNK,
     CONSUMER,
     FINGERPRINT,

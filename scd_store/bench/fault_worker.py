@@ -2,14 +2,13 @@
 consumer (:mod:`scd_store.bench.fault_rogue`).
 
 Run as ``python -m scd_store.bench.fault_worker JSON``; it works until its stop file appears and writes
-one JSON report (no pickle). Payloads are a pure function of their key (:func:`payload_for`), so every
-chunk a consumer is served is checked byte for byte. The producer signs with the private key; consumers
-and the rogue hold the public one.
+one JSON report (no pickle). Payloads are a pure function of their key
+(:func:`~scd_store.bench.fault_space.payload_for`), so every chunk a consumer is served is checked byte for
+byte. The producer signs with the private key; consumers and the rogue hold the public one.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 import sys
@@ -18,32 +17,17 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-SPACE, PAIR, PRODUCER, CONSUMER, FINGERPRINT = "soak", "soak/consumer", "soak-producer", "soak-consumer", "soak-fp"
-OTHER_FINGERPRINT = "soak-fp-next"  # a second generation of the space (a rollout), whose blobs must never be deleted
-CHUNK = 4
-
-
-def prefix_hashes(index: int, chunks: int) -> list[bytes]:
-    from scd_store.store.keys import chunk_hashes
-
-    return chunk_hashes([index * 1000 + t for t in range(chunks * CHUNK)], CHUNK)
-
-
-def store_keys(index: int, chunks: int, fingerprint: str = FINGERPRINT) -> list[str]:
-    from scd_store.store.keys import generation_of, hash_keys
-
-    return hash_keys(SPACE, generation_of(fingerprint), prefix_hashes(index, chunks))
-
-
-def other_generation_keys() -> list[str]:
-    """Keys of the next generation's blobs the harness writes at the start (never to be deleted by the soak)."""
-    return [k for i in range(2) for k in store_keys(10_000 + i, 4, OTHER_FINGERPRINT)]
-
-
-def payload_for(key: str, size: int) -> bytes:
-    """The one payload a chunk key ever holds: any other bytes served are a garbage decode."""
-    digest = hashlib.sha256(key.encode()).digest()
-    return (digest * (size // len(digest) + 1))[:size]
+from scd_store.bench.fault_space import (
+    CHUNK,
+    CONSUMER,
+    FINGERPRINT,
+    PAIR,
+    PRODUCER,
+    SPACE,
+    payload_for,
+    prefix_hashes,
+    store_keys,
+)
 
 
 def _store(spec: dict[str, Any]):  # noqa: ANN202 - a TieredStore

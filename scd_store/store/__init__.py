@@ -1,8 +1,8 @@
 """The tiered store: bytes by key. Chunk keys, code blobs, tiers (GPU / CPU / disk / Redis), the
 read path, the write-behind, producer / consumer views, registry, stats and transfer.
 
-It knows no codec: payloads are opaque bytes. Only the service, adapters, bench and cli import it
-(the import-linter contract in pyproject.toml).
+It knows no codec: payloads are opaque bytes. Only the layers above it import it: service, models,
+adapters, bench and cli (the import-linter contract in pyproject.toml).
 """
 
 from scd_store.store.blob import BlobError, BlobMeta, decode_blob, encode_blob

@@ -38,7 +38,7 @@ class TierGuard:
         self.stats.inc("tier_errors", tier=tier.name)
         self.health[tier.name].failed(exc)
 
-    async def call(self, tier: Tier, op: str, fn: Callable[[], Awaitable[T]], default: T, success: Any = None, *,
+    async def call(self, tier: Tier, op: str, fn: Callable[[], Awaitable[T]], default: T, *, success: Any = None,
                    health: bool = True) -> T:
         """Run one async tier operation; a failure or timeout returns ``default``, a success ``success``
         (when given) or the operation's result. With ``health=False`` (reports a reader makes on the side) a

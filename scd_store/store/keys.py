@@ -1,5 +1,8 @@
 """Chunk keys: ``scd:{space_id}:{generation}:{chunk_hash_hex}``, one key scheme for every caller.
 
+Keys are made here (:func:`make_key`, :func:`hash_keys`) and read back here (:func:`parse_key` into a
+:class:`StoreKey`, :func:`space_of`); no other module builds or splits one by hand.
+
 A key names a 16-byte chunk hash in one generation of a space: ``generation`` is
 ``v{blob format}.{xxh3-64 of the space fingerprint}`` (:func:`generation_of`), so two bundle
 generations of a space (a rollout) and two blob formats never share a key. Engines bring their own chain of chunk hashes
@@ -17,6 +20,7 @@ import array as _array
 import hashlib
 import re
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import xxhash
@@ -44,6 +48,7 @@ def validate_space_id(space_id: str) -> str:
 
 
 def validate_chunk_size(chunk_size: int) -> int:
+    """Return ``chunk_size`` if it is a positive int (tokens per chunk)."""
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
         raise KeyError_(f"chunk_size must be a positive int, got {chunk_size!r}")
     return chunk_size
@@ -129,11 +134,37 @@ def hash_keys(space_id: str, generation: str, hashes: Sequence[bytes]) -> list[s
     return keys
 
 
-def parse_key(key: str) -> tuple[str, str, str]:
-    """Split a key into ``(space_id, generation, chunk_hash_hex)``; raises :class:`KeyError_` on a malformed key."""
+class StoreKey(NamedTuple):
+    """The parts of a store key (a tuple: ``space_id, generation, chunk_hex = parse_key(key)``)."""
+
+    space_id: str
+    generation: str
+    chunk_hex: str
+
+    @property
+    def scope(self) -> str:
+        """The key's space generation, ``{space_id}:{generation}`` (:func:`scope_of`)."""
+        return scope_of(self.space_id, self.generation)
+
+
+def scope_of(space_id: str, generation: str) -> str:
+    """``{space_id}:{generation}``: one generation of a space, as shared tiers name the reports kept for it."""
+    return f"{space_id}:{generation}"
+
+
+def parse_key(key: str) -> StoreKey:
+    """Split a key into its :class:`StoreKey`; raises :class:`KeyError_` on a malformed key."""
     parts = key.split(":") if isinstance(key, str) else []
     if len(parts) != 4 or parts[0] != KEY_PREFIX or not _HEX_RE.fullmatch(parts[3]) \
             or not _GENERATION_RE.fullmatch(parts[2]):
         raise KeyError_(f"not a store key: {key!r} (expected 'scd:<space_id>:v<format>.<16 hex>:<32 hex>')")
     validate_space_id(parts[1])
-    return parts[1], parts[2], parts[3]
+    return StoreKey(parts[1], parts[2], parts[3])
+
+
+def space_of(key: str) -> str:
+    """The space id of a store key, or "" for a malformed one (a stats label: never an error)."""
+    try:
+        return parse_key(key).space_id
+    except KeyError_:
+        return ""

@@ -12,22 +12,29 @@ from typing import Any, Protocol
 
 
 class LogOnce:
-    """``warn(what, message, *args)`` logs ``message`` the first time ``what`` happens."""
+    """``warn(what, message, *args)`` logs ``message`` the first time ``what`` happens.
 
-    def __init__(self, logger: logging.Logger) -> None:
+    ``limit`` bounds the kinds remembered (where ``what`` carries names others choose): past it, a new
+    kind is not logged."""
+
+    def __init__(self, logger: logging.Logger, limit: int | None = None) -> None:
         self.logger = logger
+        self.limit = limit
         self._seen: set[str] = set()
         self._lock = threading.Lock()
 
     def warn(self, what: str, message: str, *args: Any) -> None:
+        """Log ``message % args`` unless ``what`` was logged before (or the bound is reached)."""
         with self._lock:
-            if what in self._seen:
+            if what in self._seen or (self.limit is not None and len(self._seen) >= self.limit):
                 return
             self._seen.add(what)
         self.logger.warning(message, *args)
 
 
-class _Counts(Protocol):
+class Counts(Protocol):
+    """Where incidents are counted: :class:`~scd_store.store.stats.StoreStats` or a tier's view of it."""
+
     def inc(self, name: str, amount: int = 1, *, tier: str = "", space: str = "", pair: str = "") -> None: ...
 
 
@@ -35,11 +42,12 @@ class Incidents:
     """Count an incident and log its first occurrence: ``count(counter, message, *args, n=, once=, labels)``.
 
     ``once`` (default: the counter's name) is what "first" means: one line per counter, or per counter and
-    model, tier... The message should name the counter so a reader finds it in ``scd-store stats``."""
+    model, tier... The message should name the counter so a reader finds it in ``scd-store stats``.
+    ``limit``: as :class:`LogOnce`'s."""
 
-    def __init__(self, stats: _Counts, logger: logging.Logger) -> None:
+    def __init__(self, stats: Counts, logger: logging.Logger, limit: int | None = None) -> None:
         self.stats = stats
-        self.log = LogOnce(logger)
+        self.log = LogOnce(logger, limit)
 
     def count(self, counter: str, message: str, *args: Any, n: int = 1, once: str | None = None,
               tier: str = "", space: str = "", pair: str = "") -> None:

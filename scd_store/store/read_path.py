@@ -1,19 +1,13 @@
-"""The read path: walk the tiers fastest first, verify every blob, promote hits upward.
+"""The reader's path: walk the tiers fastest first, verify every blob, promote hits upward.
 
-- A lookup's answer is the longest leading run of chunks present in any tier.
-- A get verifies every blob (framing, checksum, bounds, the tag when the store holds signing
-  keys, space generation and codec); a bad blob is a miss and is counted (``corrupt_blobs``,
-  ``bad_signatures``, ``foreign_blobs``); the walk goes on to the next tier for it. Readers delete
-  a bad blob only from this host's tiers (CPU, GPU, disk), never from a shared one (Redis, peers):
-  there they report its key (``report_suspects``), and report their verified hits
-  (``report_hits``) instead of refreshing a TTL themselves. The space's producer takes both in
-  :meth:`ReadPath.repair`: it keeps only reported keys of its own space generation (the rest is
-  ``refused_reports``), verifies each reported bad key itself, deletes what is bad (never a blob of
-  another generation or codec: that is a miss, not damage) and rewrites it from its own tiers; what
-  it has no copy of is then absent, so its engine stores it again. It refreshes the TTL of the
-  reported hits (``ttl_refreshes``), so only blobs readers verified live on; the tier's TTL ends the
-  rest. A report is removed only once it was processed: a tier failing midway leaves the rest for
-  the next round.
+- A lookup's answer is the longest leading run of chunks present in any tier (:meth:`ReadPath.lookup`:
+  presence only, per key the index of the tier holding it).
+- A get verifies every blob (:func:`~scd_store.store.verify.verify_blob`); a bad blob is a miss and is
+  counted (``corrupt_blobs``, ``bad_signatures``, ``foreign_blobs``); the walk goes on to the next tier for
+  it. Readers delete a bad blob only from this host's tiers (CPU, GPU, disk), never from a shared one
+  (Redis, peers): there they report its key (``report_suspects``), and report their verified hits
+  (``report_hits``) instead of refreshing a TTL themselves. The space's producer takes both
+  (:class:`~scd_store.store.repair.ProducerRepair`).
 - Local tiers (CPU, GPU) are read on the caller's thread; the rest on the store's event loop.
 - Hits from a lower tier are copied into every tier above it (local tiers at once, remote ones
   through the write-behind, never blocking the reader).
@@ -27,17 +21,16 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from scd_store.store.blob import Blob, BlobError, ForeignBlob, SignatureError, UnknownKey, decode_blob
+from scd_store.store.blob import Blob, BlobError, ForeignBlob, SignatureError, UnknownKey
 from scd_store.store.guard import TierGuard
-from scd_store.store.keys import KeyError_, parse_key
 from scd_store.store.loop import LoopThread
 from scd_store.store.records import Space
+from scd_store.store.results import CodeChunk, PrefixHit
 from scd_store.store.signing import Keyring
 from scd_store.store.stats import StoreStats
 from scd_store.store.tiers.base import LocalTier, Tier
-from scd_store.store.views import CodeChunk, PrefixHit
+from scd_store.store.verify import verify_blob
 from scd_store.store.write_behind import WriteBehind
 
 log = logging.getLogger("scd_store.store")
@@ -45,17 +38,14 @@ log = logging.getLogger("scd_store.store")
 
 @dataclass(slots=True)
 class _Found:
+    """A verified blob of a get, its bytes as stored and the index of the tier that held it."""
+
     blob: Blob
     raw: bytes
     tier_index: int
 
 
-def _scope(space: Space) -> str:
-    """Where a shared tier keeps the keys readers reported in ``space`` (its id and generation)."""
-    return f"{space.space_id}:{space.generation}"
-
-
-def leading_run(results: Sequence[Any]) -> int:
+def leading_run(results: Sequence[object | None]) -> int:
     """How many leading entries of ``results`` are not None."""
     for i, r in enumerate(results):
         if r is None:
@@ -75,14 +65,15 @@ class ReadPath:
         self.stats = stats
         self.loop = loop
         self.write_behind = write_behind
+        self._first_remote = next((i for i, t in enumerate(self.tiers) if not t.local), len(self.tiers))
 
     # ----------------------------------------------------------------- operations
     def lookup(self, space: Space, keys: list[str], pair: str = "") -> PrefixHit:
         """The leading run of ``keys`` present in any tier (presence only: nothing is read or verified)."""
         t0 = time.perf_counter()
-        where = self._walk(keys, "contains", space)
+        where = self._where(keys)
         run = leading_run(where)
-        tiers = tuple(self.tiers[where[i]].name for i in range(run))
+        tiers = tuple(self.tiers[ti].name for ti in where[:run] if ti is not None)
         self.stats.inc("lookups", space=space.space_id, pair=pair)
         self.stats.inc("miss_chunks", len(keys) - run, space=space.space_id, pair=pair)
         self.stats.observe("lookup", time.perf_counter() - t0)
@@ -94,7 +85,7 @@ class ReadPath:
         answer counts as holding them (never store again on a guess); with no shared tier, every tier counts."""
         shared = [t for t in self.tiers if t.shared]
         if not shared:
-            return leading_run(self._walk(keys, "contains", space))
+            return leading_run(self._where(keys))
         return self.loop.run(self._shared_run(shared, keys), timeout=self.guard.deadline(shared) + 5.0)
 
     async def _shared_run(self, shared: list[Tier], keys: list[str]) -> int:
@@ -114,232 +105,137 @@ class ReadPath:
     def get(self, space: Space, keys: list[str], pair_id: str) -> list[CodeChunk]:
         """The verified leading run of ``keys`` in ``space``; hits are counted per tier and promoted."""
         t0 = time.perf_counter()
-        found = self._walk(keys, "get", space)
+        found = self._found(keys, space)
         run = leading_run(found)
         chunks: list[CodeChunk] = []
-        per_tier: dict[int, list[int]] = {}
-        for i in range(run):
-            f: _Found = found[i]
+        per_tier: dict[int, list[tuple[str, _Found]]] = {}
+        for i, f in enumerate(found[:run]):
+            assert f is not None
             chunks.append(CodeChunk(keys[i], i, f.blob.meta.token_count, f.blob.payload, f.blob.meta,
                                     self.tiers[f.tier_index].name))
-            per_tier.setdefault(f.tier_index, []).append(i)
-        for ti, idx in per_tier.items():
-            self.stats.record_hit(tier=self.tiers[ti].name, space=space.space_id, pair=pair_id, chunks=len(idx),
-                                  tokens=sum(found[i].blob.meta.token_count for i in idx),
-                                  nbytes=sum(len(found[i].raw) for i in idx),
+            per_tier.setdefault(f.tier_index, []).append((keys[i], f))
+        for ti, hits in per_tier.items():
+            self.stats.record_hit(tier=self.tiers[ti].name, space=space.space_id, pair=pair_id, chunks=len(hits),
+                                  tokens=sum(f.blob.meta.token_count for _, f in hits),
+                                  nbytes=sum(len(f.raw) for _, f in hits),
                                   raw_kv_bytes_per_token=space.raw_kv_bytes_per_token)
             if ti > 0:
-                self._promote(ti, [(keys[i], found[i].raw) for i in idx], space.space_id)
+                self._promote(ti, [(key, f.raw) for key, f in hits], space.space_id)
         self.stats.inc("lookups", space=space.space_id, pair=pair_id)
         self.stats.inc("miss_chunks", len(keys) - run, space=space.space_id, pair=pair_id)
         self.stats.observe("get", time.perf_counter() - t0)
         return chunks
 
-    # ----------------------------------------------------------------- the walk
-    def _walk(self, keys: list[str], op: str, space: Space) -> list[Any]:
-        """Per key: the tier index that has it (``contains``) or a ``_Found`` (``get``); None when absent."""
-        results: list[Any] = [None] * len(keys)
+    # ----------------------------------------------------------------- presence: the tier holding each key
+    def _where(self, keys: list[str]) -> list[int | None]:
+        """Per key: the index of the first tier that holds it, None when none does."""
+        where: list[int | None] = [None] * len(keys)
         pending = list(range(len(keys)))
-        first_remote = next((i for i, t in enumerate(self.tiers) if not t.local), len(self.tiers))
-        for ti in range(first_remote):
+        for ti in range(self._first_remote):
             if not pending:
                 break
             tier = self.tiers[ti]
             assert isinstance(tier, LocalTier)
-            batch = [keys[i] for i in pending]
-            values = self.guard.call_now(tier, op, (lambda t=tier, b=batch: t.contains_many_now(b))
-                                         if op == "contains" else (lambda t=tier, b=batch: t.get_many_now(b)))
-            pending, bad = self._absorb(ti, pending, keys, results, op, space, values)
-            for key in bad:
-                with contextlib.suppress(Exception):
-                    tier.delete_now(key)
-        if pending and first_remote < len(self.tiers):
-            self.loop.run(self._walk_remote(first_remote, pending, keys, results, op, space),
-                          timeout=self.guard.deadline(self.tiers[first_remote:]) + 5.0)
-        return results
+            held = self.guard.call_now(tier, "contains", lambda t=tier, b=[keys[i] for i in pending]:
+                                       t.contains_many_now(b))
+            pending = _mark(ti, pending, held, where)
+        if pending and self._first_remote < len(self.tiers):
+            self.loop.run(self._where_remote(pending, keys, where),
+                          timeout=self.guard.deadline(self.tiers[self._first_remote:]) + 5.0)
+        return where
 
-    async def _walk_remote(self, start: int, pending: list[int], keys: list[str], results: list[Any], op: str,
-                           space: Space) -> None:
-        for ti in range(start, len(self.tiers)):
+    async def _where_remote(self, pending: list[int], keys: list[str], where: list[int | None]) -> None:
+        for ti in range(self._first_remote, len(self.tiers)):
             if not pending:
                 return
             tier = self.tiers[ti]
-            batch = [keys[i] for i in pending]
-            fn = (lambda t=tier, b=batch: t.contains_many(b)) if op == "contains" else (
-                lambda t=tier, b=batch: t.get_many(b))
-            values = await self.guard.call(tier, op, fn, None)
-            pending, bad = self._absorb(ti, pending, keys, results, op, space, values)
+            held = await self.guard.call(tier, "contains", lambda t=tier, b=[keys[i] for i in pending]:
+                                         t.contains_many(b), None)
+            pending = _mark(ti, pending, held, where)
+
+    # ----------------------------------------------------------------- gets: a verified blob for each key
+    def _found(self, keys: list[str], space: Space) -> list[_Found | None]:
+        """Per key: its verified blob from the first tier that holds a good one, None when none does."""
+        found: list[_Found | None] = [None] * len(keys)
+        pending = list(range(len(keys)))
+        for ti in range(self._first_remote):
+            if not pending:
+                break
+            tier = self.tiers[ti]
+            assert isinstance(tier, LocalTier)
+            values = self.guard.call_now(tier, "get", lambda t=tier, b=[keys[i] for i in pending]:
+                                         t.get_many_now(b))
+            pending, bad = self._absorb(ti, pending, keys, found, space, values)
+            for key in bad:
+                with contextlib.suppress(Exception):
+                    tier.delete_now(key)
+        if pending and self._first_remote < len(self.tiers):
+            self.loop.run(self._found_remote(pending, keys, found, space),
+                          timeout=self.guard.deadline(self.tiers[self._first_remote:]) + 5.0)
+        return found
+
+    async def _found_remote(self, pending: list[int], keys: list[str], found: list[_Found | None],
+                            space: Space) -> None:
+        for ti in range(self._first_remote, len(self.tiers)):
+            if not pending:
+                return
+            tier = self.tiers[ti]
+            values = await self.guard.call(tier, "get", lambda t=tier, b=[keys[i] for i in pending]:
+                                           t.get_many(b), None)
+            pending, bad = self._absorb(ti, pending, keys, found, space, values)
             if bad and not tier.shared:
                 await self.guard.call(tier, "delete", lambda t=tier, b=bad: t.delete_many(b), 0)
                 self.stats.inc("quarantined_blobs", len(bad), tier=tier.name, space=space.space_id)
             elif bad:  # a reader of a shared tier: tell the producer
-                await self.guard.call(tier, "report", lambda t=tier, b=bad: t.report_suspects(_scope(space), b), None,
+                await self.guard.call(tier, "report", lambda t=tier, b=bad: t.report_suspects(space.scope, b), None,
                                       health=False)
-            if tier.expires and op == "get":
-                self._report_hits(tier, space, [keys[i] for i, f in enumerate(results)
-                                                if isinstance(f, _Found) and f.tier_index == ti])
-
-    def _report_hits(self, tier: Tier, space: Space, keys: list[str]) -> None:
-        """Report verified hits in ``tier`` (its producer refreshes their TTL) without waiting for it."""
-        if not keys:
-            return
-        task = asyncio.ensure_future(self.guard.call(tier, "report", lambda: tier.report_hits(_scope(space), keys),
-                                                     None, health=False))
-        self._reports.add(task)
-        task.add_done_callback(self._reports.discard)
-
-    async def repair(self, space: Space, limit: int = 256, hits_limit: int = 4096) -> tuple[int, int]:
-        """A producer's round over each shared tier: up to ``limit`` keys readers reported bad (verified
-        here, deleted when bad, rewritten from a good copy in this host's tiers), then up to ``hits_limit``
-        reported hits (their TTL refreshed). Returns ``(quarantined, repaired)``."""
-        quarantined = repaired = 0
-        for ti, tier in enumerate(self.tiers):
-            if not tier.shared:
-                continue
-            q, r, bad = await self._repair_suspects(ti, tier, space, limit)
-            quarantined, repaired = quarantined + q, repaired + r
             if tier.expires:
-                await self._refresh_hits(tier, space, hits_limit, bad)
-        return quarantined, repaired
+                self._report_hits(tier, space, [keys[i] for i, f in enumerate(found)
+                                                if f is not None and f.tier_index == ti])
 
-    def _own(self, tier: Tier, space: Space, reported: list[str]) -> tuple[list[str], list[str]]:
-        """Split reported keys into those of ``space``'s generation and the rest (counted as refused)."""
-        mine: list[str] = []
-        refused: list[str] = []
-        for key in reported:
-            try:
-                ok = parse_key(key)[:2] == (space.space_id, space.generation)
-            except KeyError_:
-                ok = False
-            (mine if ok else refused).append(key)
-        if refused:
-            self.stats.inc("refused_reports", len(refused), tier=tier.name, space=space.space_id)
-            log.debug("refused %d reported keys in tier %s outside %s", len(refused), tier.name, _scope(space))
-        return mine, refused
-
-    async def _repair_suspects(self, ti: int, tier: Tier, space: Space, limit: int) -> tuple[int, int, set[str]]:
-        scope = _scope(space)
-        reported = await self.guard.call(tier, "suspects", lambda: tier.reports("suspects", scope, limit), None)
-        if not reported:
-            return 0, 0, set()
-        mine, done = self._own(tier, space, reported)
-        quarantined = repaired = 0
-        bad: list[str] = []
-        values = await self.guard.call(tier, "get", lambda: tier.get_many(mine), None) if mine else None
-        if values is not None:
-            absent: list[str] = []
-            for key, value in zip(mine, values, strict=True):
-                state = "absent" if value is None else self._state(key, value, space)
-                if state == "bad":
-                    bad.append(key)
-                elif state == "absent":
-                    absent.append(key)
-                else:  # intact (a false report, or repaired already) or foreign: left alone
-                    done.append(key)
-            deleted = not bad or await self.guard.call(tier, "delete", lambda: tier.delete_many(bad), None) is not None
-            if bad and deleted:
-                quarantined = len(bad)
-                self.stats.inc("quarantined_blobs", quarantined, tier=tier.name, space=space.space_id)
-            # what this round deleted, or an earlier one deleted and could not rewrite: from a good copy here
-            fixable = [*(bad if deleted else []), *absent]
-            fixes = await self._good_copies(space, ti, fixable) if fixable else []
-            if not fixes or await self.guard.call(tier, "put", lambda: tier.put_many(fixes), False, True):
-                repaired = len(fixes)
-                done += fixable
-        if repaired:
-            self.stats.inc("repaired_blobs", repaired, tier=tier.name, space=space.space_id)
-        if done:  # only what was processed: the rest is taken again next round
-            await self.guard.call(tier, "report", lambda: tier.clear_reports("suspects", scope, done), None)
-        return quarantined, repaired, set(bad)
-
-    async def _refresh_hits(self, tier: Tier, space: Space, limit: int, bad: set[str]) -> None:
-        """Refresh the TTL of reported hits of ``space`` (never of a blob this round found bad)."""
-        scope = _scope(space)
-        reported = await self.guard.call(tier, "hits", lambda: tier.reports("hits", scope, limit), None)
-        if not reported:
-            return
-        mine, refused = self._own(tier, space, reported)
-        mine = [k for k in mine if k not in bad]
-        refreshed = await self.guard.call(tier, "touch", lambda: tier.touch_many(mine), None) if mine else 0
-        if refreshed:
-            self.stats.inc("ttl_refreshes", refreshed, tier=tier.name, space=space.space_id)
-        done = refused if refreshed is None else reported  # a failed refresh keeps its reports for next round
-        if done:
-            await self.guard.call(tier, "report", lambda: tier.clear_reports("hits", scope, done), None)
-
-    def _state(self, key: str, value: bytes, space: Space) -> str:
-        """``intact``, ``foreign`` (another generation's or codec's blob: a miss, not damage), ``unknown_key`` (signed
-        with a key this process does not hold, or no longer: no evidence of damage) or ``bad``."""
-        try:
-            self._verify(key, value, space)
-        except ForeignBlob:
-            return "foreign"
-        except UnknownKey:
-            return "unknown_key"
-        except BlobError:
-            return "bad"
-        return "intact"
-
-    def _intact(self, key: str, value: bytes, space: Space) -> bool:
-        return self._state(key, value, space) == "intact"
-
-    async def _good_copies(self, space: Space, below: int, keys: list[str]) -> list[tuple[str, bytes]]:
-        """Verified copies of ``keys`` from this host's tiers above tier ``below``."""
-        fixes: dict[str, bytes] = {}
-        for tier in self.tiers[:below]:
-            wanted = [k for k in keys if k not in fixes]
-            if tier.shared or not wanted:
-                continue
-            values = await self.guard.call(tier, "get", lambda t=tier, w=wanted: t.get_many(w), None) or []
-            fixes.update({k: v for k, v in zip(wanted, values, strict=False)
-                          if v is not None and self._intact(k, v, space)})
-        return list(fixes.items())
-
-    def _verify(self, key: str, value: bytes, space: Space, trusted: bool = False) -> Blob:
-        """Every check of a blob; ``trusted`` (this process's memory tiers, which hold only blobs it wrote
-        or verified before promoting them) skips the signature's arithmetic, not the checksum, nor the check that
-        its key is still held (a key rotated out or removed ends what it signed in memory too)."""
-        return decode_blob(value, key=key, space_id=space.space_id, keyring=self.keyring, verified_before=trusted,
-                           expect_space_fingerprint=space.fingerprint, max_token_count=space.chunk_size)
-
-    def _absorb(self, ti: int, pending: list[int], keys: list[str], results: list[Any], op: str,
-                space: Space, values: list[Any] | None) -> tuple[list[int], list[str]]:
-        """Record what tier ``ti`` returned; return the still-missing indices and the keys of bad blobs
-        (foreign ones are a miss, never bad: another generation may be right to hold them)."""
+    def _absorb(self, ti: int, pending: list[int], keys: list[str], found: list[_Found | None], space: Space,
+                values: list[bytes | None] | None) -> tuple[list[int], list[str]]:
+        """Verify what tier ``ti`` returned into ``found``; return the still-missing indices and the keys of bad
+        blobs (foreign ones are a miss, never bad: another generation may be right to hold them)."""
         if values is None:
             return pending, []
+        tier = self.tiers[ti]
         still: list[int] = []
         bad: list[str] = []
         counts = {"corrupt_blobs": 0, "bad_signatures": 0, "foreign_blobs": 0}
         for i, value in zip(pending, values, strict=True):
-            if op == "contains":
-                if value:
-                    results[i] = ti
-                else:
-                    still.append(i)
-                continue
             if value is None:
                 still.append(i)
                 continue
             try:
-                blob = self._verify(keys[i], value, space, trusted=self.tiers[ti].local)
+                blob = verify_blob(keys[i], value, space, self.keyring, trusted=tier.local)
             except BlobError as exc:
                 still.append(i)
                 kind = ("foreign_blobs" if isinstance(exc, ForeignBlob) else
                         "bad_signatures" if isinstance(exc, SignatureError) else "corrupt_blobs")
                 # a key this process does not hold is no evidence of damage: never deleted or reported for it
                 # outside this process's memory (where a key rotated out ends what it signed)
-                unknown_key = isinstance(exc, UnknownKey) and not self.tiers[ti].local
+                unknown_key = isinstance(exc, UnknownKey) and not tier.local
                 counts[kind] += 1
                 if kind != "foreign_blobs" and not unknown_key:
                     bad.append(keys[i])
-                log.debug("%s: blob %s in tier %s: %s", kind, keys[i], self.tiers[ti].name, exc)
+                log.debug("%s: blob %s in tier %s: %s", kind, keys[i], tier.name, exc)
                 continue
-            results[i] = _Found(blob, value, ti)
+            found[i] = _Found(blob, value, ti)
         for name, n in counts.items():
             if n:
-                self.stats.inc(name, n, tier=self.tiers[ti].name, space=space.space_id)
+                self.stats.inc(name, n, tier=tier.name, space=space.space_id)
         return still, bad
+
+    # ----------------------------------------------------------------- after a hit
+    def _report_hits(self, tier: Tier, space: Space, keys: list[str]) -> None:
+        """Report verified hits in ``tier`` (its producer refreshes their TTL) without waiting for it."""
+        if not keys:
+            return
+        task = asyncio.ensure_future(self.guard.call(tier, "report", lambda: tier.report_hits(space.scope, keys),
+                                                     None, health=False))
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
 
     def _promote(self, from_tier: int, items: list[tuple[str, bytes]], space_id: str) -> None:
         for ti in range(from_tier):
@@ -350,3 +246,16 @@ class ReadPath:
             else:
                 self.loop.loop.call_soon_threadsafe(self.write_behind.offer_nowait, tier.name, items, space_id)
             self.stats.inc("promotions", len(items), tier=tier.name, space=space_id)
+
+
+def _mark(ti: int, pending: list[int], held: list[bool] | None, where: list[int | None]) -> list[int]:
+    """Record tier ``ti`` for each pending key it holds; the indices still missing (all: no answer)."""
+    if held is None:
+        return pending
+    still: list[int] = []
+    for i, hit in zip(pending, held, strict=True):
+        if hit:
+            where[i] = ti
+        else:
+            still.append(i)
+    return still

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from scd_store.errors import ScdStoreError
-from scd_store.store.keys import generation_of, validate_space_id
+from scd_store.store.keys import generation_of, scope_of, validate_space_id
 
 
 class RegistryError(ScdStoreError, ValueError):
@@ -70,6 +70,11 @@ class Space:
     def ident(self) -> str:
         """The registry's name of this record: ``{space_id}@{generation}``."""
         return f"{self.space_id}@{self.generation}"
+
+    @property
+    def scope(self) -> str:
+        """Where shared tiers keep the keys readers report in this generation: ``{space_id}:{generation}``."""
+        return scope_of(self.space_id, self.generation)
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from scd_store.store.guard import TierGuard
+from scd_store.store.keys import space_of
 from scd_store.store.stats import StoreStats
 from scd_store.store.tiers.base import Tier
 
@@ -29,12 +30,6 @@ log = logging.getLogger("scd_store.store")
 Item = tuple[str, bytes]
 Source = Callable[[list[str]], list[bytes | None]]  # blobs of keys from the tiers above (the top tier)
 BATCH = 32
-
-
-def space_of(key: str) -> str:
-    """The space id of a store key (``scd:{space}:{generation}:{hash}``), or "" for a malformed one."""
-    parts = key.split(":", 3)
-    return parts[1] if len(parts) == 4 else ""
 
 
 class WriteBehind:
@@ -145,7 +140,8 @@ class WriteBehind:
     def _count(self, counter: str, tier_name: str, keys: Sequence[str]) -> None:
         per_space: dict[str, int] = {}
         for key in keys:
-            per_space[space_of(key)] = per_space.get(space_of(key), 0) + 1
+            space_id = space_of(key)
+            per_space[space_id] = per_space.get(space_id, 0) + 1
         for space_id, n in per_space.items():
             self.stats.inc(counter, n, tier=tier_name, space=space_id)
 
@@ -172,7 +168,8 @@ class WriteBehind:
         if ok:
             per_space: dict[str, int] = {}
             for key, value in batch:
-                per_space[space_of(key)] = per_space.get(space_of(key), 0) + len(value)
+                space_id = space_of(key)
+                per_space[space_id] = per_space.get(space_id, 0) + len(value)
             for space_id, nbytes in per_space.items():
                 self.stats.inc("bytes_written", nbytes, tier=tier.name, space=space_id)
         return ok

@@ -8,11 +8,14 @@ import pytest
 from scd_store.store.keys import (
     ROOT_HASH,
     KeyError_,
+    StoreKey,
     chunk_hashes,
     generation_of,
     hash_keys,
     make_key,
     parse_key,
+    scope_of,
+    space_of,
     validate_space_id,
 )
 
@@ -53,6 +56,25 @@ def test_key_format_and_parse() -> None:
         assert key == f"scd:space.1:{generation}:{hex_}" and space == "space.1" and len(hex_) == 32
         assert gen == generation
     assert make_key("space.1", generation, bytes.fromhex(parse_key(keys[0])[2])) == keys[0]
+
+
+def test_a_parsed_key_names_its_parts() -> None:
+    generation = generation_of("fp-1")
+    key = make_key("space.1", generation, "ab" * 16)
+    parsed = parse_key(key)
+    assert isinstance(parsed, StoreKey) and parsed == ("space.1", generation, "ab" * 16)
+    assert (parsed.space_id, parsed.generation, parsed.chunk_hex) == ("space.1", generation, "ab" * 16)
+    assert parsed.scope == scope_of("space.1", generation) == f"space.1:{generation}"
+    assert make_key(*parsed) == key
+
+
+@pytest.mark.parametrize("key", ["scd:sp:xyz", "scd:a:b:" + "0" * 32, "", "a:b:c:d", None])
+def test_the_space_of_a_malformed_key_is_empty(key) -> None:
+    assert space_of(key) == ""
+
+
+def test_the_space_of_a_key() -> None:
+    assert space_of(make_key("space.1", generation_of("fp"), b"\x01" * 16)) == "space.1"
 
 
 def test_generations_never_share_keys() -> None:

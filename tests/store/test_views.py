@@ -43,3 +43,10 @@ def test_views_count_lookups_per_pair(store, consumer) -> None:
     consumer.contains(HASHES)
     assert store.stats.value("lookups", pair="pair-a") == 1
     assert store.stats.value("miss_chunks", pair="pair-a") == 4
+
+
+def test_views_hold_the_read_path_and_the_writer_not_the_store(store) -> None:
+    producer = store.producer("space-a", "producer-m", "space-fp")
+    consumer = store.consumer("pair-a", "consumer-m", "space-fp")
+    assert producer.read is store.read and producer.writer is store.writer and consumer.read is store.read
+    assert not hasattr(producer, "store") and not hasattr(consumer, "store") and not hasattr(consumer, "writer")

@@ -7,12 +7,14 @@ local tiers never crosses threads.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from scd_store.errors import ScdStoreError
+from scd_store.store.log_once import Incidents
 from scd_store.store.tiers.lru import ByteLRU
 
 if TYPE_CHECKING:
@@ -60,6 +62,11 @@ class Tier(ABC):
         """Add to one of the store's counters (:data:`scd_store.store.stats.COUNTERS`) under this tier."""
         if self._counter is not None and amount:
             self._counter(counter, amount)
+
+    def _incidents(self, logger: logging.Logger, limit: int | None = None) -> Incidents:
+        """Count-and-log-once (:class:`~scd_store.store.log_once.Incidents`) for this tier's own incidents,
+        counted through :meth:`_count` (under this tier)."""
+        return Incidents(_TierCounts(self), logger, limit)
 
     def accepts(self, nbytes: int) -> bool:
         """Whether a blob of ``nbytes`` fits this tier (larger ones are counted, never silently dropped)."""
@@ -115,7 +122,7 @@ class Tier(ABC):
         return sum([await self.delete(k) for k in keys])
 
     # shared tiers only: readers may neither delete nor expire there, so they report to the space's producer,
-    # which verifies what readers found bad and refreshes the TTL of the hits they reported (ReadPath.repair)
+    # which verifies what readers found bad and refreshes the TTL of the hits they reported (ProducerRepair)
     async def touch_many(self, keys: Sequence[str]) -> int:
         """The producer's refresh of the TTL of ``keys`` (a tier with a TTL); how many it refreshed (keys
         that are gone are not brought back). Default: none."""
@@ -207,3 +214,14 @@ class LruTier(LocalTier):
 
     def usage(self) -> TierUsage:
         return TierUsage(len(self._lru), self._lru.bytes_used, self._lru.max_bytes)
+
+
+class _TierCounts:
+    """The store's counters as a tier adds to them: :meth:`Tier._count`, which labels them with the tier (the
+    labels an incident names are the tier's own)."""
+
+    def __init__(self, tier: Tier) -> None:
+        self._tier = tier
+
+    def inc(self, name: str, amount: int = 1, *, tier: str = "", space: str = "", pair: str = "") -> None:
+        self._tier._count(name, amount)

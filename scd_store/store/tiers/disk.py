@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from scd_store.store.fs_safety import check_owner_only, private_dir
-from scd_store.store.keys import parse_key
+from scd_store.store.keys import KeyError_, make_key, parse_key
 from scd_store.store.pids import pid_alive
 from scd_store.store.tiers.base import Tier, TierError, TierUsage
 
@@ -113,10 +113,8 @@ def scan(root_fd: int, limit: int, drop: Drop) -> list[tuple[float, str, int]]:
             elif fname.endswith(SUFFIX) and (why := refusal(st, limit)) is not None:
                 drop(dfd, fname, os.path.join(dirpath, fname), why)
             elif fname.endswith(SUFFIX) and fname[:2] == parts[2]:
-                key = f"scd:{parts[0]}:{parts[1]}:{fname[:-len(SUFFIX)]}"
-                with contextlib.suppress(ValueError):
-                    parse_key(key)
-                    found.append((st.st_mtime, key, st.st_size))
+                with contextlib.suppress(KeyError_):  # a name no key of ours makes: not a blob of ours
+                    found.append((st.st_mtime, make_key(parts[0], parts[1], fname[:-len(SUFFIX)]), st.st_size))
     found.sort()
     return found
 
@@ -141,7 +139,7 @@ class DiskTier(Tier):
         self._index: OrderedDict[str, int] = OrderedDict()
         self._bytes = 0
         self._rescan_task: asyncio.Task[None] | None = None
-        self._unsafe_logged = threading.Lock()  # taken by the first unsafe entry, never released: one log line
+        self._unsafe = self._incidents(log)  # unsafe entries: every one counted, the first one logged
         self._root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # closed once no job may use it
         self._close_root = weakref.finalize(self, os.close, self._root_fd)
         check_owner_only(self.root, os.fstat(self._root_fd), "the disk tier root")  # the directory held is checked
@@ -279,10 +277,8 @@ class DiskTier(Tier):
     def _drop(self, dir_fd: int, name: str, entry: str, why: str) -> None:
         """Remove an entry that is no safe blob or directory, and count it; the first one is logged."""
         remove_entry(dir_fd, name)
-        self._count("unsafe_files", 1)
-        if self._unsafe_logged.acquire(blocking=False):
-            log.warning("disk tier %s: removed %s under %s (%s): a miss; further such entries are counted "
-                        "(unsafe_files), not logged", self.name, entry, self.root, why)
+        self._unsafe.count("unsafe_files", "disk tier %s: removed %s under %s (%s): a miss; further such entries "
+                           "are counted (unsafe_files), not logged", self.name, entry, self.root, why)
 
     @contextlib.contextmanager
     def _dirs(self, dirs: Sequence[str], *, create: bool = False) -> Iterator[int | None]:

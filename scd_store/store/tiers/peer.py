@@ -27,7 +27,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from scd_store.store.keys import KeyError_, parse_key
+from scd_store.store.keys import KeyError_, parse_key, space_of
 from scd_store.store.signing import SigningKey
 from scd_store.store.tiers.base import Tier, TierUsage
 from scd_store.store.transfer.base import DEFAULT_MAX_BATCH_BYTES, BlobReader, BlobSource, SourceInfo, TransferError
@@ -78,7 +78,7 @@ class PeerTier(Tier):
         self._meta_lock = threading.Lock()
         self._infos: OrderedDict[str, tuple[str, SourceInfo]] = OrderedDict()  # verified source infos
         self._trusted: OrderedDict[str, tuple[LocationEntry, float]] = OrderedDict()  # verified entries
-        self._said: set[str] = set()
+        self._once = self._incidents(log, limit=4096)  # one line per kind; kinds name sources: bounded
 
     async def start(self) -> None:
         self.reader = make_reader(kind=self.transfer, max_batch_bytes=self.max_batch_bytes)
@@ -96,9 +96,11 @@ class PeerTier(Tier):
 
     def _say(self, what: str, message: str, *args: object) -> None:
         """Log ``message`` once per ``what``."""
-        if what not in self._said and len(self._said) < 4096:
-            self._said.add(what)
-            log.warning("peer tier %s: " + message, self.name, *args)
+        self._once.log.warn(what, "peer tier %s: " + message, self.name, *args)
+
+    def _incident(self, counter: str, what: str, message: str, *args: object, n: int = 1) -> None:
+        """Count ``n`` in ``counter``; log ``message`` once per ``what``."""
+        self._once.count(counter, "peer tier %s: " + message, self.name, *args, n=n, once=what)
 
     # ----------------------------------------------------------------- writes
     async def put(self, key: str, value: bytes) -> None:
@@ -112,7 +114,7 @@ class PeerTier(Tier):
     def _signer(self, key: str) -> SigningKey | None:
         assert self.keyring is not None
         try:
-            space_id = parse_key(key)[0]
+            space_id = parse_key(key).space_id
         except KeyError_:
             return None
         return self.keyring.signer(space_id)
@@ -124,9 +126,8 @@ class PeerTier(Tier):
         for key, value in items:
             signer = self._signer(key) if self.keyring is not None else None
             if self.keyring is not None and signer is None:
-                self._count("unsigned_puts")
-                self._say(f"unsigned:{key.rsplit(':', 1)[0]}", "no private key for %s's space: its blobs are "
-                          "not published", key)
+                self._incident("unsigned_puts", f"unsigned:{space_of(key)}", "no private key for %s's space: its "
+                               "blobs are not published", key)
                 continue
             blobs[key], signers[key] = value, signer
         if not blobs:
@@ -138,8 +139,8 @@ class PeerTier(Tier):
 
     # ----------------------------------------------------------------- trust
     def _refuse(self, counter: str, entry: LocationEntry, why: str) -> None:
-        self._count(counter)
-        self._say(f"{why}:{entry.source}", "refused an entry of source %r (%s): a miss", entry.source, why)
+        self._incident(counter, f"{why}:{entry.source}", "refused an entry of source %r (%s): a miss", entry.source,
+                       why)
 
     def _entry_ok(self, key: str, entry: LocationEntry) -> bool:
         """Whether ``entry`` is ``key``'s, within bounds and (with a keyring) validly signed."""
@@ -193,8 +194,8 @@ class PeerTier(Tier):
                 groups.setdefault(entry.source, []).append((i, entry))
         malformed = self.directory.take_malformed()
         if malformed:
-            self._count(MALFORMED_ENTRY, malformed)
-            self._say("malformed", "%d directory entries did not parse (malformed or out of range): misses", malformed)
+            self._incident(MALFORMED_ENTRY, "malformed", "%d directory entries did not parse (malformed or out of "
+                           "range): misses", malformed, n=malformed)
         out: Resolved = {}
         for source, items in groups.items():
             found = self._source_info(source, {e.info_digest for _, e in items})

@@ -11,7 +11,7 @@ two hashes readers may write, each with a TTL (:data:`REPORT_TTL_S`, refreshed b
   itself and deletes or repairs them.
 
 The producer reads either with ``HSCAN`` (bounded per round) and removes a report (``HDEL``) only
-once it processed it (:meth:`~scd_store.store.read_path.ReadPath.repair`). Values above
+once it processed it (:class:`~scd_store.store.repair.ProducerRepair`). Values above
 ``max_value_bytes`` are refused (counted in ``rejected``). A total byte budget is the server's job:
 ``maxmemory`` with ``maxmemory-policy volatile-lru``, which evicts only keys with a TTL (blobs,
 counters, reports), never the registry (docs/store.md). The tier changes no server setting unless

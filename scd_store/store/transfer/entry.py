@@ -80,7 +80,7 @@ class LocationEntry:
         if not self.signed:
             return False
         try:
-            space_id = parse_key(self.key)[0]
+            space_id = parse_key(self.key).space_id
         except KeyError_:
             return False
         public = keyring.verifier(space_id, self.key_id)

@@ -1,0 +1,29 @@
+"""What a read of the store returns: :class:`CodeChunk` (one verified chunk of a get) and :class:`PrefixHit`
+(a lookup's answer)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scd_store.store.blob import BlobMeta
+
+
+@dataclass(frozen=True, slots=True)
+class CodeChunk:
+    """One verified chunk out of the store: its key, position, tokens covered, codec payload and header."""
+
+    key: str
+    index: int
+    token_count: int
+    payload: memoryview
+    meta: BlobMeta
+    tier: str
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """A lookup's answer: the leading run of chunks present, and which tier holds each of them."""
+
+    hit_chunks: int
+    total_chunks: int
+    tiers: tuple[str, ...]
