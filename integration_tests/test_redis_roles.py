@@ -91,7 +91,7 @@ def started(deployment) -> tuple[KVService, KVService, list[str]]:
     consumer = service_for(deployment, "consumer", ("consumer-a",), register_bundles=False)
     assert producer.put(PRODUCER, HASHES, chunks()) == 3
     producer.drain(10)
-    return producer, consumer, producer._producer(producer.binding(PRODUCER)).keys(HASHES)
+    return producer, consumer, producer._access.producer(producer.binding(PRODUCER)).keys(HASHES)
 
 
 def test_each_role_does_its_job_and_nothing_else(deployment):
@@ -103,7 +103,7 @@ def test_each_role_does_its_job_and_nothing_else(deployment):
     try:
         assert producer.put(PRODUCER, HASHES, chunks()) == 3
         producer.drain(10)
-        keys = producer._producer(producer.binding(PRODUCER)).keys(HASHES)
+        keys = producer._access.producer(producer.binding(PRODUCER)).keys(HASHES)
         assert all(deployment["admin"].exists(k) for k in keys)
         assert len(consumer.get("consumer-a", HASHES)) == 3
         assert consumer.store.stats.value("tier_errors") == 0

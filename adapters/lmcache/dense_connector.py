@@ -1,4 +1,5 @@
-"""An LMCache GPU connector over one dense KV tensor ``[2, layers, tokens, heads * head_dim]``, on any device.
+"""An LMCache GPU connector over one dense KV tensor ``[2, layers, tokens, heads * head_dim]``, on any device:
+:class:`DenseKVConnector`.
 
 LMCache's own connectors move chunks between its memory objects and an engine's paged KV cache,
 and never record where a chunk sits in its sequence. This one records every stored chunk's

@@ -1,4 +1,5 @@
-"""The hashing canary of this LMCache engine process, computed the way its token database hashes."""
+"""The hashing canary of this LMCache process, computed the way it hashes: :func:`lmcache_canary` (an engine's
+token database), :func:`mp_server_canary` (``lmcache server``); :func:`check_hash_strength` refuses weak hashes."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Who a chunk belongs to, from an LMCache key: a model and a tenant namespace (the request's
-other ``lmcache.tag.*`` tags). Roles come from the engine, never from a request.
+"""Who a chunk belongs to, from an LMCache key (:func:`key_identity`, :func:`batch_identity`): a model and a
+tenant namespace (the request's other ``lmcache.tag.*`` tags). Roles come from the engine, never from a request.
 
 - An engine that serves no adapters (``serves_adapters`` false): the model is the engine's own
   (``key.model_name``, which LMCache fills from the engine's ``metadata.model_name``). A request's
@@ -21,8 +21,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from scd_store.service.defaults import MODEL_TAG
+
 TAG = "lmcache.tag."
-MODEL_TAG = "scd_model"
 SALT_TAG = "scd_cache_salt"  # LMCacheCpuConnector's tag of a request's cache_salt (a SHA-256 prefix)
 
 

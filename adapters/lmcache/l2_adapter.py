@@ -1,4 +1,5 @@
-"""scd-store as an L2 adapter of LMCache's multiprocess server (``lmcache server``, LMCache 0.5.6).
+"""scd-store as an L2 adapter of LMCache's multiprocess server: :class:`ScdL2Adapter` (``lmcache server``,
+LMCache 0.5.6).
 
 Configure on the server's command line (the ``plugin`` adapter type)::
 
@@ -102,6 +103,7 @@ class ScdL2Adapter(L2AdapterInterface):
         self._next_id = 0
         self._id_lock = threading.Lock()
         self._once = LogOnce(log)
+        self._incidents = self.service.incidents(log)
 
     # ----------------------------------------------------------------- helpers
     def _check_hashing(self) -> None:
@@ -152,7 +154,7 @@ class ScdL2Adapter(L2AdapterInterface):
         task_id = self._task_id()
         producer = self._model(keys, "producer")
         if producer is None:
-            self._stores.finish(task_id, L2StoreResult(True, 0))
+            self._stores.finish(task_id, L2StoreResult(success=True, bytes_transferred=0))
             return task_id
         model, binding = producer
         heads = binding.space.layout.kv_heads
@@ -160,17 +162,18 @@ class ScdL2Adapter(L2AdapterInterface):
         def states() -> list | None:
             starts = self.positions.positions([k.chunk_hash for k in keys], timeout=POSITION_WAIT_S)
             if None in starts:
-                self.service.store.stats.inc("unpositioned_chunks", len(keys))
-                self._once.warn("positions", "scd-store: the server reported no positions for chunks of %r "
-                                "(MP_TOKENS events come with its server-driven transfer path); not storing them "
-                                "(counted as unpositioned_chunks; logged once)", model)
+                self._incidents.count("unpositioned_chunks", "scd-store: the server reported no positions for "
+                                      "chunks of %r (MP_TOKENS events come with its server-driven transfer path); "
+                                      "not storing them (counted as unpositioned_chunks; logged once)", model,
+                                      n=len(keys), once="positions")
                 return None
             return [state_from_kv_2ltd(obj.tensor, heads, start) for obj, start in zip(objects, starts, strict=True)]
 
         nbytes = sum(obj.get_size() for obj in objects)
-        self.service.submit_put(model, [object_hash(k) for k in keys], states,
-                                done=lambda stored: self._stores.finish(task_id, L2StoreResult(True, nbytes if
-                                                                                                stored else 0)))
+        def done(stored: int) -> None:
+            self._stores.finish(task_id, L2StoreResult(success=True, bytes_transferred=nbytes if stored else 0))
+
+        self.service.submit_put(model, [object_hash(k) for k in keys], states, done=done)
         return task_id
 
     def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
@@ -242,7 +245,7 @@ class ScdL2Adapter(L2AdapterInterface):
 
     def report_status(self) -> dict:
         return {"is_healthy": self.service is not None, "type": "ScdL2Adapter",
-                "queued_chunks": self.service.puts.queued_chunks() if self.service is not None else 0}
+                "queued_chunks": self.service.queued_chunks() if self.service is not None else 0}
 
 
 __all__ = ["ScdL2Adapter", "SettingsError", "object_hash"]

@@ -1,4 +1,5 @@
-"""LMCache's chunk layout and keys, to and from scd-store's :class:`KVState` and 16-byte chunk hashes."""
+"""LMCache's chunk layout and keys, to and from scd-store's :class:`KVState` and 16-byte chunk hashes:
+:func:`chunk_hash_bytes`, :func:`state_from_kv_2ltd`, :func:`kv_2ltd_views`."""
 
 from __future__ import annotations
 

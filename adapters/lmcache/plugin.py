@@ -1,4 +1,4 @@
-"""scd-store as an LMCache storage plugin (``StoragePluginInterface``, LMCache 0.5.6).
+"""scd-store as an LMCache storage plugin: :class:`ScdStoragePlugin` (``StoragePluginInterface``, LMCache 0.5.6).
 
 Configure in the LMCache YAML::
 
@@ -44,6 +44,7 @@ from scd_store.adapters.lmcache.hashing import lmcache_canary
 from scd_store.adapters.lmcache.identity import SALT_TAG, ChunkIdentity, batch_identity, key_identity
 from scd_store.adapters.lmcache.layout import chunk_hash_bytes, kv_2ltd_views, state_from_kv_2ltd
 from scd_store.codecs.kv_state import KVState
+from scd_store.flags import parse_flag
 from scd_store.service import EngineSettings, SettingsError, acquire_service, release_service
 from scd_store.service.log_once import LogOnce
 
@@ -53,9 +54,14 @@ LORA_ENV = "SCD_STORE_ENGINE_SERVES_LORA"  # set by the vLLM connector (LMCacheC
 
 def engine_serves_lora() -> bool:
     """Whether this process's engine serves LoRA adapters: said by scd-store's vLLM connector, or by the vLLM
-    config in force while LMCache builds its backends."""
-    if os.environ.get(LORA_ENV) == "1":
-        return True
+    config in force while LMCache builds its backends. A value of the variable that is no flag is refused."""
+    said = os.environ.get("SCD_STORE_ENGINE_SERVES_LORA")
+    if said is not None:
+        try:
+            if parse_flag(said, LORA_ENV):
+                return True
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from None
     try:
         from vllm.config import get_current_vllm_config_or_none
     except ImportError:
@@ -90,6 +96,7 @@ class ScdStoragePlugin(StoragePluginInterface):
             log.error("scd-store LMCache plugin: bad configuration: %s", exc)
             raise
         self._once = LogOnce(log)
+        self._incidents = self.service.incidents(log)
         if self.serves_adapters:
             log.info("scd-store LMCache plugin: this engine serves adapters (serves_adapters): it reads for the "
                      "consumers of %r's space its requests name with lmcache.tag.%s and never writes (produce from "
@@ -143,28 +150,24 @@ class ScdStoragePlugin(StoragePluginInterface):
         """The batch's identity, with what it cannot be counted and logged once: salted requests and
         unattributed ones are neither stored nor served (``model`` None); an ignored model tag is counted."""
         identity = batch_identity(keys, self.model_tag, self.serves_adapters, self._is_adapter, self.service.aliases)
-        stats = self.service.store.stats
+        count = self._incidents.count
         if identity.salted:
-            stats.inc("salted_chunks", len(keys))
-            self._once.warn("salted", "scd-store: a request with a cache_salt (lmcache.tag.%s): LMCache's keys carry "
-                            "no salt scd-store could keep tenants apart by, so it is neither stored nor served "
-                            "(counted as salted_chunks; logged once)", SALT_TAG)
+            count("salted_chunks", "scd-store: a request with a cache_salt (lmcache.tag.%s): LMCache's keys carry no "
+                  "salt scd-store could keep tenants apart by, so it is neither stored nor served (counted as "
+                  "salted_chunks; logged once)", SALT_TAG, n=len(keys), once="salted")
             return ChunkIdentity(None, salted=True)
         if identity.ignored_tag is not None:
-            stats.inc("ignored_model_tags")
-            self._once.warn("ignored", "scd-store: a request tagged lmcache.tag.%s=%r on the engine of %r, which "
-                            "serves no adapters: roles come from the engine, the tag is ignored (counted as "
-                            "ignored_model_tags; logged once)", self.model_tag, identity.ignored_tag, self.model)
+            count("ignored_model_tags", "scd-store: a request tagged lmcache.tag.%s=%r on the engine of %r, which "
+                  "serves no adapters: roles come from the engine, the tag is ignored (counted as ignored_model_tags; "
+                  "logged once)", self.model_tag, identity.ignored_tag, self.model, once="ignored")
         if identity.model is None and not self.serves_adapters:
-            stats.inc("unattributed_chunks", len(keys))
-            self._once.warn("mixed", "scd-store: a batch of keys of several requests' identities: not stored or "
-                            "served (counted as unattributed_chunks; logged once)")
+            count("unattributed_chunks", "scd-store: a batch of keys of several requests' identities: not stored or "
+                  "served (counted as unattributed_chunks; logged once)", n=len(keys), once="mixed")
         elif identity.model is None:
-            stats.inc("unattributed_chunks", len(keys))
-            self._once.warn("unattributed", "scd-store: a request whose lmcache.tag.%s names no registered consumer of "
-                            "%r's space (untagged, the producer or another model) on an engine that serves adapters "
-                            "(serves_adapters) cannot be attributed to a model: not stored or served (counted as "
-                            "unattributed_chunks; logged once)", self.model_tag, self.model)
+            count("unattributed_chunks", "scd-store: a request whose lmcache.tag.%s names no registered consumer of "
+                  "%r's space (untagged, the producer or another model) on an engine that serves adapters "
+                  "(serves_adapters) cannot be attributed to a model: not stored or served (counted as "
+                  "unattributed_chunks; logged once)", self.model_tag, self.model, n=len(keys), once="unattributed")
         return identity
 
     def _batch(self, keys: Sequence[CacheEngineKey], role: str) -> ChunkIdentity | None:
@@ -192,12 +195,12 @@ class ScdStoragePlugin(StoragePluginInterface):
         return start
 
     def _unpositioned(self, model: str, count: int) -> None:
-        self.service.store.stats.inc("unpositioned_chunks", count)
-        self._once.warn("positions", "scd-store: LMCache's GPU connector records no chunk positions "
-                        "(MemoryObj.metadata.cached_positions), so chunks of %r cannot be coded at their true "
-                        "positions and are not stored (counted as unpositioned_chunks; logged once). Use a "
-                        "connector that records them (embedded: "
-                        "scd_store.adapters.lmcache.dense_connector.DenseKVConnector)", model)
+        self._incidents.count("unpositioned_chunks", "scd-store: LMCache's GPU connector records no chunk positions "
+                              "(MemoryObj.metadata.cached_positions), so chunks of %r cannot be coded at their true "
+                              "positions and are not stored (counted as unpositioned_chunks; logged once). Use a "
+                              "connector that records them (embedded: "
+                              "scd_store.adapters.lmcache.dense_connector.DenseKVConnector)", model, n=count,
+                              once="positions")
 
     # ----------------------------------------------------------------- StoragePluginInterface
     def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
@@ -214,7 +217,7 @@ class ScdStoragePlugin(StoragePluginInterface):
         identity = self._key_identity(key)
         if identity.model is None or identity.salted:
             return False
-        return self.service.puts.pending(chunk_hash_bytes(key.chunk_hash, identity.namespace))
+        return self.service.pending_put(chunk_hash_bytes(key.chunk_hash, identity.namespace))
 
     def batched_submit_put_task(self, keys: Sequence[CacheEngineKey], objs: list[MemoryObj], transfer_spec: Any = None,
                                 on_complete_callback: Callable[[CacheEngineKey], None] | None = None) -> None:

@@ -1,4 +1,4 @@
-"""Chunk positions in LMCache's multiprocess server, from the server's own token bindings.
+"""Chunk positions in LMCache's multiprocess server, from the server's own token bindings: :class:`PositionLedger`.
 
 An L2 adapter sees only object keys and memory objects; a chunk's position is implied by its
 prefix-chained hash but not revealed. The server publishes it: on every store it submits (its

@@ -1,4 +1,4 @@
-"""scd-store as an SGLang HiCache L3 backend (``HiCacheStorage``; SGLang 0.5.23).
+"""scd-store as an SGLang HiCache L3 backend: :class:`ScdHiCacheStorage` (``HiCacheStorage``; SGLang 0.5.23).
 
 Launch flags::
 
@@ -95,6 +95,7 @@ class ScdHiCacheStorage(HiCacheStorage):
                         self.model, self.service.models())
         self.mem_pool_host: Any = None
         self._once = LogOnce(log)
+        self._incidents = self.service.incidents(log)
 
     # ----------------------------------------------------------------- set-up
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -134,9 +135,9 @@ class ScdHiCacheStorage(HiCacheStorage):
     def _first_position(self, extra_info: HiCacheStorageExtraInfo | None, pages: int) -> int | None:
         if extra_info is not None and extra_info.prefix_keys is not None:
             return len(extra_info.prefix_keys) * self.mem_pool_host.page_size
-        self.service.store.stats.inc("unpositioned_chunks", pages)
-        self._once.warn("positions", "scd-store: SGLang gave no prefix_keys, so page positions are unknown; not "
-                        'storing (counted as unpositioned_chunks; logged once). Set "%s": true', PREFIX_KEYS_FLAG)
+        self._incidents.count("unpositioned_chunks", "scd-store: SGLang gave no prefix_keys, so page positions are "
+                              'unknown; not storing (counted as unpositioned_chunks; logged once). Set "%s": true',
+                              PREFIX_KEYS_FLAG, n=pages, once="positions")
         return None
 
     def _pool_ready(self) -> bool:
@@ -161,11 +162,11 @@ class ScdHiCacheStorage(HiCacheStorage):
         if self._role() != "producer" or not keys or not self._pool_ready():
             return [False] * len(keys)
         if self.serves_adapters:
-            self.service.store.stats.inc("unattributed_chunks", len(keys))
-            self._once.warn("adapters", "scd-store: this SGLang server serves LoRA adapters, and SGLang gives a "
-                            "storage backend no request identity, so an adapter's pages cannot be told from the base "
-                            "model's: not storing (counted as unattributed_chunks; logged once). Produce from a "
-                            "server without --enable-lora")
+            self._incidents.count("unattributed_chunks", "scd-store: this SGLang server serves LoRA adapters, and "
+                                  "SGLang gives a storage backend no request identity, so an adapter's pages cannot "
+                                  "be told from the base model's: not storing (counted as unattributed_chunks; "
+                                  "logged once). Produce from a server without --enable-lora", n=len(keys),
+                                  once="adapters")
             return [False] * len(keys)
         start = self._first_position(extra_info, len(keys))
         if start is None:
@@ -238,7 +239,7 @@ class ScdHiCacheStorage(HiCacheStorage):
         except Exception:  # e.g. its multimodal imports need torchvision
             return None
         metrics = StorageMetrics()
-        metrics.scd_store = self.service.store.stats.snapshot() if self.service is not None else {}
+        metrics.scd_store = self.service.stats_snapshot() if self.service is not None else {}
         return metrics
 
     def close(self) -> None:

@@ -1,4 +1,5 @@
-"""The hashing canary of this SGLang engine process: its own page hash chain over the canary tokens."""
+"""The hashing canary of this SGLang engine process, :func:`sglang_canary`: its own page hash chain over the
+canary tokens."""
 
 from __future__ import annotations
 

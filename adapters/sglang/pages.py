@@ -1,4 +1,6 @@
-"""SGLang host-pool pages to and from scd-store :class:`KVState`, through the pool's own page accessors.
+"""SGLang host-pool pages to and from scd-store :class:`KVState`, through the pool's own page accessors:
+:func:`read_page`, :func:`write_page`, :func:`flat_page`, :func:`state_from_flat`, and :func:`page_hash_bytes`
+for page keys.
 
 ``get_data_page(index, flat=False)`` shapes per host-pool layout (MHA), after the leading K / V axis
 of 2, are given by :data:`AXES`: ``layer_first`` ``[layers, page, heads, dim]``, ``page_first``

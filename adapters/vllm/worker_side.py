@@ -1,4 +1,5 @@
-"""The connector's worker half: decode hits into the request's blocks, hand producers' chunks over.
+"""The connector's worker half, :class:`WorkerSide`: decode hits into the request's blocks, hand producers'
+chunks over.
 
 Loads run before the step's forward (``start_load_kv``): the consumer's codes are decoded
 (:meth:`KVService.get` into fresh ``[layers, kv_heads, chunk, head_dim]`` buffers) and written into
@@ -88,7 +89,7 @@ class WorkerSide:
             end = len(load.hashes) * load.chunk_size
             if loaded < end:
                 self._failed |= load.blocks_from(loaded)
-            self.service.store.stats.observe("vllm_load", time.perf_counter() - started)
+            self.service.observe("vllm_load", time.perf_counter() - started)
 
     def _load_one(self, load: ChunkLoad) -> int:
         """Decode and write one request's hit; returns the tokens of the prompt now in its blocks. Chunks
@@ -132,7 +133,7 @@ class WorkerSide:
             except LayoutError as exc:
                 self._once.warn("save-layout", "scd-store: cannot read vLLM's cache; not storing (logged once): %s",
                                 exc)
-            self.service.store.stats.observe("vllm_save_copy", time.perf_counter() - started)
+            self.service.observe("vllm_save_copy", time.perf_counter() - started)
 
     def _save_one(self, save: ChunkSave) -> None:
         """The engine's thread copies the chunks' whole blocks as they lie (one ``index_select`` per layer);
@@ -169,7 +170,7 @@ class WorkerSide:
 
         def done(stored: int) -> None:
             if stored > 0:
-                self.service.store.stats.inc("refilled_chunks", stored, space=space)
+                self.service.count("refilled_chunks", stored, space=space)
         return done
 
 

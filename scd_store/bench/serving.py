@@ -130,9 +130,8 @@ class Deployment:
         """Bytes a hit on ``prompt``'s stored chunks moves: codes and raw KV (fp16), from the stored blobs."""
         hashes = chunk_hashes(prompt[:-1], CHUNK)
         service = self.store_service()
-        binding = next(service.binding(name) for name in self.consumers if service.binding(name))
-        view = service.store.consumer(binding.pair_id, binding.model, binding.space.fingerprint)
-        codes = sum(len(c.payload) for c in view.get(hashes))
+        consumer = next(name for name in self.consumers if service.binding(name))
+        codes = service.stored_bytes(consumer, hashes)
         raw = sum((self.raw_dir / f"{h.hex()}.kv").stat().st_size for h in hashes
                   if (self.raw_dir / f"{h.hex()}.kv").is_file())
         return {"scd": codes, "raw": raw}

@@ -1,13 +1,18 @@
-"""What each engine model name is to scd-store: a space's producer, one of its consumers, or nothing."""
+"""What each engine model name is to scd-store: a space's producer, one of its consumers, or nothing.
+
+:class:`Binding` is one model's role, space and codec (typed against the codec interface,
+:class:`scd_store.codecs.base.Codec`); :class:`Bindings` holds a process's bindings by model name.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from scd_store.codecs.scd.codec import ScdCodec
+from scd_store.codecs.base import Codec
 from scd_store.codecs.scd.space import CodeSpace
 from scd_store.errors import ScdStoreError
+from scd_store.service.defaults import MAX_POSITIONS
 
 ROLES = ("producer", "consumer")
 
@@ -23,7 +28,7 @@ class Binding:
     model: str
     role: str  # "producer" | "consumer"
     space: CodeSpace
-    codec: ScdCodec
+    codec: Codec  # the space's encoder; for a consumer, its decoder too
     pair_id: str = ""
 
     def __post_init__(self) -> None:
@@ -44,7 +49,7 @@ class Bindings:
     bound space refuses payloads reaching past ``max_positions`` (the engine's context length) before
     anything is allocated for them."""
 
-    def __init__(self, aliases: Mapping[str, str] | None = None, max_positions: int = 32768) -> None:
+    def __init__(self, aliases: Mapping[str, str] | None = None, max_positions: int = MAX_POSITIONS) -> None:
         if max_positions <= 0:
             raise ServiceError(f"max_positions must be positive, got {max_positions}")
         self.aliases = dict(aliases or {})

@@ -1,4 +1,5 @@
-"""Calibration bundles into a running service: register their space and pairs, bind their models.
+"""Calibration bundles into a running service: :func:`bind_bundle` registers their space and pairs and binds
+their models (:func:`register_bundle` only registers).
 
 Registration is idempotent and reads before it writes (a record already there as it should be is
 not written again); a registry record that differs from the bundle's is an error unless the caller

@@ -1,4 +1,5 @@
-"""Pairs and spaces registered after an engine started (``scd-store register``), bound without a restart.
+"""Pairs and spaces registered after an engine started (``scd-store register``), bound without a restart:
+:class:`PairDiscovery`.
 
 A lookup for a model the service has no binding for only records the name (no I/O on the engine's
 thread; that request is a miss). A background thread reads the registry every ``interval_s`` and, for
@@ -18,7 +19,8 @@ from scd_store.codecs.scd.bundle import BundleError, load_pair, load_space
 from scd_store.codecs.scd.codec import ScdCodec
 from scd_store.codecs.scd.space import CodeSpace
 from scd_store.service.bindings import Binding, Bindings, ServiceError
-from scd_store.service.log_once import LogOnce
+from scd_store.service.defaults import DISCOVERY_INTERVAL_S
+from scd_store.service.log_once import Incidents, LogOnce
 from scd_store.store.records import RegistryError
 from scd_store.store.registry import Registry
 from scd_store.store.stats import StoreStats
@@ -29,13 +31,15 @@ log = logging.getLogger("scd_store.service")
 class PairDiscovery:
     """Binds wanted models from the registry on a background thread (:meth:`poll_once` is one round)."""
 
-    def __init__(self, registry: Registry, bindings: Bindings, stats: StoreStats, interval_s: float = 2.0) -> None:
+    def __init__(self, registry: Registry, bindings: Bindings, stats: StoreStats,
+                 interval_s: float = DISCOVERY_INTERVAL_S) -> None:
         if interval_s < 0:
             raise ValueError(f"interval_s must be >= 0 (0: never poll), got {interval_s}")
         self.registry, self.bindings, self.stats, self.interval_s = registry, bindings, stats, interval_s
         self._wanted: set[str] = set()
         self._lock = threading.Lock()
         self._once = LogOnce(log)
+        self._incidents = Incidents(stats, log)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -85,8 +89,8 @@ class PairDiscovery:
                 binding = self._consumer(mine[0], spaces, locations) if mine else self._producer(produced[0], locations)
                 self.bindings.add(binding)
             except (BundleError, RegistryError, ServiceError, OSError, ValueError) as exc:
-                self.stats.inc("discovery_errors")
-                self._once.warn(f"load:{model}", "scd-store: cannot bind %r from the registry: %s", model, exc)
+                self._incidents.count("discovery_errors", "scd-store: cannot bind %r from the registry: %s", model, exc,
+                                      once=f"load:{model}")
                 with self._lock:
                     self._wanted.discard(model)  # asked again, tried again
                 continue

@@ -3,9 +3,10 @@
 Each engine adapter derives a :class:`HashCanary` from its engine, the way the engine itself hashes:
 the hash of a fixed two-chunk token sequence, the chunk (page) size and the settings that hashing
 depends on. A space's producer records its canary in the registry; a consumer compares its own with
-its producer's. A difference is loud: :class:`HashMismatch` at start-up naming the settings to fix,
-the ``hash_mismatch`` counter, and no lookups answered (they could only ever miss). A consumer that
-starts before its producer checks again on its lookups (at most every ``recheck_s``).
+its producer's (:class:`HashAgreement`). A difference is loud: :class:`HashMismatch` at start-up naming
+the settings to fix, the ``hash_mismatch`` counter, and no lookups answered (they could only ever
+miss). A consumer that starts before its producer checks again on its lookups (at most every
+``recheck_s``).
 """
 
 from __future__ import annotations

@@ -1,10 +1,17 @@
-"""The engine-neutral face of scd-store: engine model names and chunk hashes in, KV states out.
+"""The engine-neutral face of scd-store: :class:`KVService`, engine model names and chunk hashes in, KV out.
 
-Engine adapters (LMCache, SGLang) see only this: a producer model's chunks are encoded into its
-code space and put under the engine's own chunk hashes; a registered consumer asking for the
-same hashes gets the producer's codes decoded into *its* KV. A model that is neither a space's
-producer nor a registered consumer is a clean miss. Bundles (see ``scd-store calibrate``) are
-registered in the store's registry when the service starts (:mod:`scd_store.service.bundles`).
+Engine adapters (vLLM, LMCache, SGLang) see only this: a producer model's chunks are encoded into its
+code space and put under the engine's own chunk hashes; a registered consumer asking for the same
+hashes gets the producer's codes decoded into *its* KV. A model that is neither a space's producer
+nor a registered consumer is a clean miss. Bundles (see ``scd-store calibrate``) are registered in the
+store's registry when the service starts (:mod:`scd_store.service.bundles`). The service also offers
+what adapters need of the store: its chunk size and key chain, its counters and latency histograms,
+and the put queue's pending chunks.
+
+Where the work is done: the put path (encode and store) in :mod:`scd_store.service.put_path`, the
+get's decode loop in :mod:`scd_store.service.decode_loop`, the hashing canary in
+:mod:`scd_store.service.hash_agreement`, revocation and engine-safe store calls in
+:mod:`scd_store.service.store_access`.
 """
 
 from __future__ import annotations
@@ -18,19 +25,20 @@ from typing import Any
 import torch
 
 from scd_store.codecs.kv_state import KVState
-from scd_store.codecs.tensor_pack import PayloadError
 from scd_store.service.bindings import Binding, Bindings
 from scd_store.service.bundles import bind_bundle
+from scd_store.service.decode_loop import Buffers, DecodeLoop
+from scd_store.service.defaults import DISCOVERY_INTERVAL_S, MAX_POSITIONS, PUT_QUEUE_CHUNKS
 from scd_store.service.discovery import PairDiscovery
 from scd_store.service.hash_agreement import HashAgreement, HashCanary
-from scd_store.service.log_once import LogOnce
+from scd_store.service.hashing import chunk_hashes
+from scd_store.service.put_path import PutPath
 from scd_store.service.put_queue import PutJob, PutQueue
-from scd_store.store.records import NotRegistered
+from scd_store.service.store_access import StoreAccess
+from scd_store.store.log_once import Incidents
 from scd_store.store.tiered import TieredStore
-from scd_store.store.views import ConsumerView, ProducerView
 
-# an engine's (keys, values) buffers for chunk i of n tokens, or None: see KVService.get
-Buffers = Callable[[int, int], tuple[torch.Tensor, torch.Tensor] | None]
+__all__ = ["Buffers", "KVService"]
 
 log = logging.getLogger("scd_store.service")
 
@@ -43,21 +51,21 @@ class KVService:
     ``replace_registrations`` lets the bundles overwrite different registry records (for a registry
     the caller owns, e.g. the demo's). Engines hand puts over with :meth:`submit_put` (at most
     ``put_queue_chunks`` queued, off their thread); a get stops decoding once ``get_deadline_s``
-    has passed (the chunks decoded so far are the hit). ``models``: load only these models' decoders from
-    ``bundles`` (default: every pair's). A model asked for without a binding is looked up in the registry
-    every ``discovery_interval_s`` (0: never) and bound once a pair or space names it (``scd-store
-    register``; :mod:`scd_store.service.discovery`). ``register_bundles=False`` (least privilege:
-    engines that may only read the registry) binds only what the registry already holds as the
-    bundles have it. A space or pair revoked in the registry is a miss from the store's next
-    registry refresh on (``revoked_requests``). ``max_positions``: the engine's context length; a stored
-    chunk reaching past it is refused before anything is allocated for it.
+    has passed (the chunks decoded so far are the hit; None: no deadline). ``models``: load only these
+    models' decoders from ``bundles`` (default: every pair's). A model asked for without a binding is
+    looked up in the registry every ``discovery_interval_s`` (0: never) and bound once a pair or space
+    names it (``scd-store register``; :mod:`scd_store.service.discovery`). ``register_bundles=False``
+    (least privilege: engines that may only read the registry) binds only what the registry already
+    holds as the bundles have it. A space or pair revoked in the registry is a miss from the store's
+    next registry refresh on (``revoked_requests``). ``max_positions``: the engine's context length; a
+    stored chunk reaching past it is refused before anything is allocated for it.
     """
 
     def __init__(self, store: TieredStore, bundles: Sequence[str | Path], *,
                  aliases: Mapping[str, str] | None = None, replace_registrations: bool = False,
-                 put_queue_chunks: int = 256, get_deadline_s: float | None = None,
-                 models: Sequence[str] | None = None, discovery_interval_s: float = 2.0,
-                 register_bundles: bool = True, max_positions: int = 32768) -> None:
+                 put_queue_chunks: int = PUT_QUEUE_CHUNKS, get_deadline_s: float | None = None,
+                 models: Sequence[str] | None = None, discovery_interval_s: float = DISCOVERY_INTERVAL_S,
+                 register_bundles: bool = True, max_positions: int = MAX_POSITIONS) -> None:
         if get_deadline_s is not None and get_deadline_s <= 0:
             raise ValueError(f"get_deadline_s must be positive, got {get_deadline_s}")
         self.store = store
@@ -68,14 +76,56 @@ class KVService:
                                        replace=replace_registrations, models=models, register=register_bundles):
                 self.bindings.add(binding)
         store.forget_registry_cache()
-        self.puts = PutQueue(self._run_put, store.stats, max_chunks=put_queue_chunks)
+        self._incidents = Incidents(store.stats, log)
+        self._access = StoreAccess(store, self._incidents)
+        self._writer = PutPath(self._access, store.stats, self._incidents, self._producer_binding)
+        self._decoder = DecodeLoop(store.stats, self._incidents, get_deadline_s)
+        self.puts = PutQueue(self._writer.run, store.stats, max_chunks=put_queue_chunks)
         self.hashing = HashAgreement(store.registry, store.stats)
         self.discovery = PairDiscovery(store.registry, self.bindings, store.stats, discovery_interval_s)
-        self._once = LogOnce(log)
 
+    # ----------------------------------------------------------------- what adapters need of the store
     @property
     def aliases(self) -> dict[str, str]:
+        """Engine model names to the names the bundles know the models by."""
         return self.bindings.aliases
+
+    @property
+    def chunk_size(self) -> int:
+        """Tokens per stored chunk (an engine's chunk or page size must agree with it)."""
+        return self.store.chunk_size
+
+    def chunk_hashes(self, tokens: Sequence[int], chunk_size: int | None = None) -> list[bytes]:
+        """The store's chained hashes of every whole chunk of ``tokens`` (default: this service's chunk size)."""
+        return chunk_hashes(tokens, self.chunk_size if chunk_size is None else chunk_size)
+
+    def count(self, counter: str, n: int = 1, *, tier: str = "", space: str = "", pair: str = "") -> None:
+        """Add ``n`` to one of the store's counters (:data:`scd_store.store.stats.COUNTERS`), e.g. a miss's reason."""
+        self.store.stats.inc(counter, n, tier=tier, space=space, pair=pair)
+
+    def incidents(self, logger: logging.Logger) -> Incidents:
+        """Count an incident in this service's counters and log its first occurrence to ``logger``."""
+        return Incidents(self.store.stats, logger)
+
+    def observe(self, op: str, seconds: float, *, tier: str = "", pair: str = "") -> None:
+        """Record ``seconds`` of ``op`` in the store's latency histogram."""
+        self.store.stats.observe(op, seconds, tier=tier, pair=pair)
+
+    def stat(self, name: str, *, tier: str | None = None, space: str | None = None, pair: str | None = None) -> int:
+        """A counter's value in this process (summed over the labels not given)."""
+        return self.store.stats.value(name, tier=tier, space=space, pair=pair)
+
+    def stats_snapshot(self) -> dict[str, Any]:
+        """This process's counters and histograms, as ``scd-store stats`` reads them."""
+        return self.store.stats.snapshot()
+
+    def pending_put(self, chunk_hash: bytes) -> bool:
+        """Whether a chunk with this hash is queued or being stored."""
+        return self.puts.pending(chunk_hash)
+
+    def queued_chunks(self) -> int:
+        """Chunks handed over with :meth:`submit_put` and not yet stored."""
+        return self.puts.queued_chunks()
 
     # ----------------------------------------------------------------- lookups
     def binding(self, model: str) -> Binding | None:
@@ -89,38 +139,6 @@ class KVService:
     def models(self) -> dict[str, str]:
         """Every bound model name and its role."""
         return self.bindings.roles()
-
-    def _producer(self, binding: Binding) -> ProducerView | None:
-        """The store's write face for a producer (the store caches the registry's answer); None once revoked."""
-        try:
-            return self.store.producer(binding.space.space_id, binding.model, binding.space.fingerprint)
-        except NotRegistered as exc:
-            return self._revoked(binding, exc)
-
-    def _consumer(self, binding: Binding) -> ConsumerView | None:
-        """The store's read face for a consumer; None once its pair is revoked (a miss)."""
-        try:
-            return self.store.consumer(binding.pair_id, binding.model, binding.space.fingerprint)
-        except NotRegistered as exc:
-            return self._revoked(binding, exc)
-
-    def _store_call(self, what: str, call: Callable[[], Any], default: Any) -> Any:
-        """A store call from an engine's thread: whatever goes wrong below (a tier walk past its deadline, the
-        store's loop gone) is a miss, counted as ``store_errors`` and logged once, never an exception in the
-        engine."""
-        try:
-            return call()
-        except Exception as exc:  # noqa: BLE001 - an engine's step must not fail on the store
-            self.store.stats.inc("store_errors")
-            self._once.warn(f"store:{what}", "scd-store: a store %s failed (a miss; counted as store_errors; logged "
-                            "once): %s: %s", what, type(exc).__name__, exc)
-            return default
-
-    def _revoked(self, binding: Binding, exc: Exception) -> None:
-        self.store.stats.inc("revoked_requests", space=binding.space.space_id, pair=binding.pair_id)
-        self._once.warn(f"revoked:{binding.model}", "scd-store: %r is not (or no longer) registered: its requests "
-                        "miss (counted as revoked_requests; logged once): %s", binding.model, exc)
-        return None
 
     def _producer_binding(self, model: str, chunks: int) -> Binding | None:
         """``model``'s binding when it produces a space; else None, counted and logged (consumers never write)."""
@@ -171,34 +189,12 @@ class KVService:
             return False
         return self.puts.submit(job)
 
-    def _run_put(self, job: PutJob) -> int:
-        states = job.states()
-        if states is None:
-            return 0
-        try:
-            return self.put(job.model, job.hashes, states)
-        except ValueError as exc:  # KV the space cannot code: nothing is stored, the engine goes on
-            self.store.stats.inc("uncodable_chunks", len(job.hashes))
-            self._once.warn(f"uncodable:{job.model}", "scd-store: not storing chunks of %r the space cannot code "
-                            "(counted as uncodable_chunks; logged once): %s", job.model, exc)
-            return 0
-
     def put(self, model: str, hashes: Sequence[bytes], states: Sequence[KVState]) -> int:
         """Encode a producer's chunks (one state per hash, at its absolute start) and store them.
 
-        Returns the chunks stored: 0 when ``model`` produces no space (consumers never write)."""
-        binding = self._producer_binding(model, len(hashes))
-        if binding is None:
-            return 0
-        if len(hashes) != len(states):
-            raise ValueError(f"{len(hashes)} hashes for {len(states)} states")
-        t0 = time.perf_counter()
-        view = self._producer(binding)
-        if view is None:
-            return 0
-        payloads = [binding.codec.encode(state) for state in states]
-        self.store.stats.observe("encode", time.perf_counter() - t0)
-        return len(view.put(hashes, payloads, [s.num_tokens for s in states], codec_id=binding.codec.codec_id))
+        Returns the chunks stored: 0 when ``model`` produces no space (consumers never write). KV the space
+        cannot code raises :class:`~scd_store.service.put_path.UncodableChunks` (a ``ValueError``)."""
+        return self._writer.put(model, hashes, states)
 
     def contains(self, model: str, hashes: Sequence[bytes], tokens: int | None = None) -> int:
         """Chunks of the leading run of ``hashes`` that ``model`` can get (0 for an unknown model).
@@ -209,14 +205,14 @@ class KVService:
         if binding is None:
             return 0
         if binding.role == "producer":
-            producer = self._producer(binding)
-            return self._store_call("contains", lambda: producer.contains(hashes), 0) if producer is not None else 0
+            producer = self._access.producer(binding)
+            return self._access.call("contains", lambda: producer.contains(hashes), 0) if producer is not None else 0
         if not self.hashing.ok(binding):
             return 0
         if tokens:
             self.count_requested(model, tokens)
-        consumer = self._consumer(binding)
-        return self._store_call("contains", lambda: consumer.contains(hashes), 0) if consumer is not None else 0
+        consumer = self._access.consumer(binding)
+        return self._access.call("contains", lambda: consumer.contains(hashes), 0) if consumer is not None else 0
 
     def readable_by_others(self, model: str, hashes: Sequence[bytes]) -> int:
         """For a producer: chunks of the leading run of ``hashes`` the tiers other processes read (Redis, peers)
@@ -225,10 +221,10 @@ class KVService:
         binding = self.binding(model)
         if binding is None or binding.role != "producer":
             return 0
-        producer = self._producer(binding)
+        producer = self._access.producer(binding)
         if producer is None:
             return 0
-        return self._store_call("readable_by_others", lambda: producer.readable_by_others(hashes), len(hashes))
+        return self._access.call("readable_by_others", lambda: producer.readable_by_others(hashes), len(hashes))
 
     def count_requested(self, model: str, tokens: int) -> None:
         """Count a consumer's lookup of ``tokens`` tokens (``requested_tokens``, the hit rate's denominator) in
@@ -237,6 +233,13 @@ class KVService:
         binding = self.binding(model)
         if binding is not None and binding.role == "consumer" and tokens > 0:
             self.store.stats.inc("requested_tokens", tokens, space=binding.space.space_id, pair=binding.pair_id)
+
+    def stored_bytes(self, model: str, hashes: Sequence[bytes]) -> int:
+        """Bytes of the codes a consumer's get of ``hashes`` fetches (the leading run stored; nothing is
+        decoded); 0 for anyone else. For benches that weigh a hit."""
+        binding = self.binding(model)
+        consumer = self._access.consumer(binding) if binding is not None and binding.role == "consumer" else None
+        return sum(len(chunk.payload) for chunk in consumer.get(hashes)) if consumer is not None else 0
 
     def get(self, model: str, hashes: Sequence[bytes], *, device: torch.device | str = "cpu",
             dtype: torch.dtype = torch.float32, into: Buffers | None = None) -> list[KVState]:
@@ -258,38 +261,9 @@ class KVService:
             return []
         if not self.hashing.ok(binding):
             return []
-        started = time.perf_counter()
-        deadline = started + self.get_deadline_s if self.get_deadline_s is not None else float("inf")
-        consumer = self._consumer(binding)
+        deadline = self._decoder.deadline(time.perf_counter())
+        consumer = self._access.consumer(binding)
         if consumer is None:
             return []
-        chunks = self._store_call("get", lambda: consumer.get(hashes), [])
-        t0 = time.perf_counter()
-        states: list[KVState] = []
-        for i, chunk in enumerate(chunks):
-            if time.perf_counter() > deadline:
-                self.store.stats.inc("deadline_chunks", len(chunks) - i, space=binding.space.space_id,
-                                     pair=binding.pair_id)
-                self._once.warn("deadline", "scd-store: a get passed its %.2f s deadline; the chunks decoded so far "
-                                "are the hit (counted as deadline_chunks; logged once)", self.get_deadline_s)
-                break
-            buffers = into(i, chunk.token_count) if into is not None else None
-            if into is not None and buffers is None:
-                break
-            try:  # the blob header's token count (bounded by the store) bounds the decode before it allocates
-                if buffers is None:  # no copy: unpack takes views
-                    state = binding.codec.decode(chunk.payload, device=device, dtype=dtype,
-                                                 expect_tokens=chunk.token_count)
-                else:
-                    state = binding.codec.decode_into(chunk.payload, *buffers, expect_tokens=chunk.token_count)
-                if state.num_tokens != chunk.token_count:  # a second line of defence
-                    raise PayloadError(f"it decodes to {state.num_tokens} tokens; its header says {chunk.token_count}")
-            except PayloadError as exc:
-                self.store.stats.inc("refused_chunks", tier=chunk.tier, space=binding.space.space_id,
-                                     pair=binding.pair_id)
-                log.warning("scd-store: chunk %s refused (a miss from here on): %s", chunk.key, exc)
-                break
-            states.append(state)
-        if chunks:
-            self.store.stats.observe("decode", time.perf_counter() - t0, pair=binding.pair_id)
-        return states
+        chunks = self._access.call("get", lambda: consumer.get(hashes), [])
+        return self._decoder.run(binding, chunks, deadline=deadline, device=device, dtype=dtype, into=into)

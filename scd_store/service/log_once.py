@@ -1,5 +1,6 @@
-"""One log line per kind of incident (the store's :class:`~scd_store.store.log_once.LogOnce`, for adapters)."""
+"""One log line per kind of incident, for adapters: :class:`LogOnce` (log once) and :class:`Incidents`
+(count in the stats, log once), the store's own (:mod:`scd_store.store.log_once`)."""
 
-from scd_store.store.log_once import LogOnce
+from scd_store.store.log_once import Incidents, LogOnce
 
-__all__ = ["LogOnce"]
+__all__ = ["Incidents", "LogOnce"]

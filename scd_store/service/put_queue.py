@@ -1,4 +1,4 @@
-"""Producers' chunks are encoded and stored off the engine's thread.
+"""Producers' chunks are encoded and stored off the engine's thread: :class:`PutQueue` runs :class:`PutJob`.
 
 An engine thread hands over a :class:`PutJob` and returns at once. One worker thread builds the
 job's states (so even the conversion from the engine's layout runs off the engine's thread),
@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from scd_store.codecs.kv_state import KVState
+from scd_store.service.defaults import PUT_QUEUE_CHUNKS
 from scd_store.store.stats import StoreStats
 
 log = logging.getLogger("scd_store.service")
@@ -45,7 +46,7 @@ class PutJob:
 class PutQueue:
     """A bounded queue of :class:`PutJob` and the worker thread that runs them with ``run(job) -> stored``."""
 
-    def __init__(self, run: Callable[[PutJob], int], stats: StoreStats, *, max_chunks: int = 256,
+    def __init__(self, run: Callable[[PutJob], int], stats: StoreStats, *, max_chunks: int = PUT_QUEUE_CHUNKS,
                  name: str = "scd-store-put") -> None:
         if max_chunks <= 0:
             raise ValueError(f"max_chunks must be positive, got {max_chunks}")
@@ -137,6 +138,7 @@ class PutQueue:
             try:
                 stored = self._run(job)
             except Exception as exc:  # one bad batch must not stop the worker
+                self._stats.inc("failed_puts", job.chunks)
                 log.warning("scd-store: storing %d chunks of %r failed: %s", job.chunks, job.model, exc)
             self._finish(job, stored)
 

@@ -73,6 +73,7 @@ COUNTERS: dict[str, str] = {
     "refused_requests": "engine requests for models that are no registered producer or consumer",
     "dropped_puts": "producer chunks dropped because the put queue was full (or closing)",
     "uncodable_chunks": "producer chunks the code space cannot code (shape, NaN or inf): not stored",
+    "failed_puts": "producer chunks whose put failed on the put worker (a bug or a store failure; logged): not stored",
     "unpositioned_chunks": "producer chunks whose absolute position the engine did not give: not stored",
     "unattributed_chunks": "chunks of requests an adapter-serving engine did not attribute to a model: not served",
     "unkeyable_requests": "engine requests whose token ids do not say what their KV holds (prompt embeddings, "

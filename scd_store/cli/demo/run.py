@@ -134,7 +134,7 @@ def serve_consumer(service: KVService, consumer: LoadedModel, prefix_ids: torch.
         own_ttft = time.perf_counter() - t0
         oracle = generate_greedy(consumer.model, None, full, config.new_tokens)
 
-        read_before = service.store.stats.value("bytes_read")
+        read_before = service.stat("bytes_read")
         t0 = time.perf_counter()
         buffer = PrefixBuffer(consumer.model, len(prefix_ids))  # the chunks decode straight into it
         service.contains(consumer.name, hashes, tokens=len(hashes) * DEMO_CHUNK)  # the engine's lookup
@@ -143,7 +143,7 @@ def serve_consumer(service: KVService, consumer: LoadedModel, prefix_ids: torch.
         state = buffer.state(covered)
         first_token(consumer.model, state, full[covered:])
         scd_ttft = time.perf_counter() - t0
-        fetched = service.store.stats.value("bytes_read") - read_before
+        fetched = service.stat("bytes_read") - read_before
         text_ids = generate_greedy(consumer.model, state, full[covered:], config.new_tokens)
         raw_bytes = covered * service.binding(consumer.name).space.layout.fp16_bytes_per_token
         rows.append({"request": request, "own_ttft_ms": own_ttft * 1e3, "scd_ttft_ms": scd_ttft * 1e3,

@@ -1,0 +1,80 @@
+"""A consumer get's decode loop: :class:`DecodeLoop` turns the store's chunks into KV, chunk by chunk.
+
+Chunks decode in order into fresh tensors or, through the caller's ``into(i, tokens)``, straight into
+an engine's buffers. The run ends at the first chunk the codec refuses (``refused_chunks``: a miss
+from there on, never garbage), at the first chunk ``into`` has no room for, or once the get's
+deadline has passed (``deadline_chunks``: the chunks decoded so far are the hit).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from scd_store.codecs.kv_state import KVState
+from scd_store.codecs.tensor_pack import PayloadError
+from scd_store.service.bindings import Binding
+from scd_store.store.log_once import Incidents
+from scd_store.store.stats import StoreStats
+from scd_store.store.views import CodeChunk
+
+# an engine's (keys, values) buffers for chunk i of n tokens, or None: see KVService.get
+Buffers = Callable[[int, int], tuple[torch.Tensor, torch.Tensor] | None]
+
+log = logging.getLogger("scd_store.service")
+
+
+class DecodeLoop:
+    """Decodes a consumer's chunks with its binding's codec, counting refusals and deadlines in ``stats``."""
+
+    def __init__(self, stats: StoreStats, incidents: Incidents, deadline_s: float | None) -> None:
+        self.stats = stats
+        self.incidents = incidents
+        self.deadline_s = deadline_s
+
+    def deadline(self, started: float) -> float:
+        """The ``time.perf_counter()`` past which a get that started at ``started`` decodes no further chunk."""
+        return started + self.deadline_s if self.deadline_s is not None else float("inf")
+
+    def run(self, binding: Binding, chunks: Sequence[CodeChunk], *, deadline: float, device: torch.device,
+            dtype: torch.dtype, into: Buffers | None) -> list[KVState]:
+        """The states of the leading run of ``chunks`` that decode before ``deadline``."""
+        t0 = time.perf_counter()
+        states: list[KVState] = []
+        for i, chunk in enumerate(chunks):
+            if time.perf_counter() > deadline:
+                self.incidents.count("deadline_chunks", "scd-store: a get passed its %.2f s deadline; the chunks "
+                                     "decoded so far are the hit (counted as deadline_chunks; logged once)",
+                                     self.deadline_s, n=len(chunks) - i, once="deadline",
+                                     space=binding.space.space_id, pair=binding.pair_id)
+                break
+            buffers = into(i, chunk.token_count) if into is not None else None
+            if into is not None and buffers is None:
+                break
+            state = self._decode(binding, chunk, buffers, device, dtype)
+            if state is None:
+                break
+            states.append(state)
+        if chunks:
+            self.stats.observe("decode", time.perf_counter() - t0, pair=binding.pair_id)
+        return states
+
+    def _decode(self, binding: Binding, chunk: CodeChunk, buffers: tuple[torch.Tensor, torch.Tensor] | None,
+                device: torch.device, dtype: torch.dtype) -> KVState | None:
+        """One chunk's state, or None when the codec refuses it (counted and logged)."""
+        try:  # the blob header's token count (bounded by the store) bounds the decode before it allocates
+            if buffers is None:  # no copy: unpack takes views
+                state = binding.codec.decode(chunk.payload, device=device, dtype=dtype,
+                                             expect_tokens=chunk.token_count)
+            else:
+                state = binding.codec.decode_into(chunk.payload, *buffers, expect_tokens=chunk.token_count)
+            if state.num_tokens != chunk.token_count:  # a second line of defence
+                raise PayloadError(f"it decodes to {state.num_tokens} tokens; its header says {chunk.token_count}")
+        except PayloadError as exc:
+            self.stats.inc("refused_chunks", tier=chunk.tier, space=binding.space.space_id, pair=binding.pair_id)
+            log.warning("scd-store: chunk %s refused (a miss from here on): %s", chunk.key, exc)
+            return None
+        return state
