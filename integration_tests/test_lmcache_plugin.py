@@ -160,7 +160,7 @@ def test_puts_return_at_once_and_the_put_queue_bounds_what_waits(setup):
 
 @pytest.mark.parametrize("change, match", [
     ({"scd.bundles": "/nonexistent"}, "not a calibration bundle"),
-    ({"scd.positions": "batch"}, "positions always come from the engine"),
+    ({"scd.positions": "batch"}, "positions come from the engine"),
     ({"scd.put_queue_chunks": 0}, "put_queue_chunks must be a positive int"),
     ({"scd.bundle": "x"}, "unknown scd-store settings"),
 ])

@@ -14,19 +14,36 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
 import os
+
+from scd_store.flags import parse_flag
 
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters: free heap top kept before returning it to the system,
 M_MMAP_MAX = -4  # and how many blocks may be served by mmap
 KEEP_BYTES = 1 << 30  # up to 1 GiB of freed heap stays mapped for reuse
-KEEP_DEFAULT = "SCD_STORE_GLIBC_MMAP"  # "1": leave glibc's default
+KEEP_DEFAULT = "SCD_STORE_GLIBC_MMAP"  # true: leave glibc's default
+
+log = logging.getLogger("scd_store.cli")
+
+
+def glibc_default_wanted(value: str | None) -> bool:
+    """Whether ``SCD_STORE_GLIBC_MMAP`` (``value``) asks for glibc's default: a true flag does; unset or false
+    does not, and neither does any other value, which is logged as ignored."""
+    if value is None:
+        return False
+    try:
+        return parse_flag(value, KEEP_DEFAULT)
+    except ValueError as exc:
+        log.warning("scd-store: %s: ignored, freed blocks are reused", exc)
+        return False
 
 
 def keep_freed_blocks() -> str:
-    """Apply the setting where the C library is glibc and ``SCD_STORE_GLIBC_MMAP`` is not ``1``;
+    """Apply the setting where the C library is glibc and ``SCD_STORE_GLIBC_MMAP`` is not true;
     returns what the process's allocator does now (a bench report records it)."""
-    if os.environ.get(KEEP_DEFAULT) == "1":
-        return "glibc default (SCD_STORE_GLIBC_MMAP=1)"
+    if glibc_default_wanted(os.environ.get(KEEP_DEFAULT)):
+        return f"glibc default ({KEEP_DEFAULT}={os.environ[KEEP_DEFAULT]})"
     name = ctypes.util.find_library("c")
     if not name:
         return "system default"

@@ -1,71 +1,130 @@
-"""What an engine adapter needs from its engine's config: scd-store's settings, validated.
+"""The engine's branch of the configuration tree: :class:`EngineSettings`, scd-store's keys in an engine's config.
 
 Every engine adapter reads the same keys (LMCache: ``extra_config`` ``scd.*``; SGLang: the
-``"scd"`` object of ``--hicache-storage-backend-extra-config``):
+``"scd"`` object of ``--hicache-storage-backend-extra-config``), each defined once as a field
+below, its default taken from :mod:`scd_store.service.defaults`:
 
 - ``bundles``: calibration bundle directories (a list, or one string of comma-separated paths; may be
   empty: pairs registered with ``scd-store register`` are found in the registry);
-- ``models``: the models this engine serves (base and adapter names): only their decoders are loaded
-  from ``bundles`` (default: every pair's);
-- ``discovery_interval_s``: how often models asked for without a binding are looked up in the
-  registry (default 2; 0 = never);
-- ``store_config``: an scd-store YAML (default: ``$SCD_STORE_CONFIG`` or the embedded CPU + disk);
+- ``store_config``: an scd-store YAML, the store's branch of the tree
+  (:class:`~scd_store.store.config.StoreConfig`; default: ``$SCD_STORE_CONFIG`` or the embedded CPU + disk);
 - ``aliases``: ``{engine model name: bundle model name}``;
-- ``put_queue_chunks``: chunks a producer may have waiting to be encoded (default 256; more are
-  dropped and counted, the engine never waits);
-- ``get_deadline_s``: how long a consumer's get may take before it returns what it has decoded
-  (default 5);
+- ``put_queue_chunks``: chunks a producer may have waiting to be encoded (more are dropped and
+  counted, the engine never waits);
+- ``get_deadline_s``: how long a consumer's get may take before it returns what it has decoded;
 - ``serves_adapters``: the engine also serves LoRA adapters of its model (default false; SGLang
   says so itself). A request the adapter cannot be told from is then neither stored nor served, and
   the engine never writes (no request of it can be attributed to the base model by the engine);
+- ``model_tag`` (LMCache): on an engine with ``serves_adapters``, the request tag
+  ``lmcache.tag.<model_tag>`` naming the adapter (a registered consumer of the engine's space) a
+  request reads as (set it at a gateway); ignored elsewhere: roles come from the engine, never from
+  a request;
+- ``models``: the models this engine serves (base and adapter names): only their decoders are loaded
+  from ``bundles`` (default: every pair's);
+- ``discovery_interval_s``: how often models asked for without a binding are looked up in the
+  registry (0 = never);
 - ``register_bundles``: register ``bundles`` in the registry at start (default true); false for
   engines that may only read the registry (records are then written by ``scd-store register``, and
   only what the registry holds as the bundles have it is bound);
-- ``max_positions``: the engine's context length (default 32768); stored chunks reaching past it are
-  refused before anything is allocated for them;
-- ``model_tag`` (LMCache): on an engine with ``serves_adapters``, the request tag
-  ``lmcache.tag.<model_tag>`` naming the adapter (a registered consumer of the engine's space) a
-  request reads as (default ``scd_model``; set it at a gateway); ignored elsewhere: roles come from
-  the engine, never from a request.
+- ``max_positions``: the engine's context length; stored chunks reaching past it are refused before
+  anything is allocated for them.
 
-A stored chunk's absolute position always comes from the engine (LMCache:
+Booleans follow :func:`scd_store.flags.parse_flag`. The fields marked as :class:`KVService` keywords
+reach it through :meth:`EngineSettings.service_kwargs`; ``serves_adapters`` and ``model_tag`` stay with
+the adapter. A stored chunk's absolute position always comes from the engine (LMCache:
 ``MemoryObj.metadata.cached_positions``; SGLang: ``prefix_keys``); a chunk without one is not
-stored and is counted (``unpositioned_chunks``). Engines in one process that name the same
-settings share one store and service (:mod:`scd_store.service.shared`).
+stored and is counted (``unpositioned_chunks``). Engines in one process whose settings have the same
+:meth:`EngineSettings.shared_key` share one store and service (:mod:`scd_store.service.shared`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from scd_store.errors import ScdStoreError
-
-KNOWN = ("bundles", "store_config", "aliases", "put_queue_chunks", "get_deadline_s", "serves_adapters", "model_tag",
-         "models", "discovery_interval_s", "register_bundles", "max_positions")
+from scd_store.flags import parse_flag
+from scd_store.service import defaults
 
 
 class SettingsError(ScdStoreError, ValueError):
     """A bad scd-store section in an engine's configuration."""
 
 
+def _split(value: Any) -> Any:
+    """``"a, b"`` -> ``["a", "b"]``; anything else unchanged."""
+    return [part.strip() for part in value.split(",") if part.strip()] if isinstance(value, str) else value
+
+
+def _paths(value: Any, name: str) -> tuple[str, ...]:
+    value = _split(value)
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise SettingsError(f"{name} must be a list of paths or a comma-separated string, got {value!r}")
+    return tuple(str(Path(v)) for v in value)
+
+
+def _names(value: Any, name: str) -> tuple[str, ...] | None:
+    value = _split(value)
+    if value is not None and not isinstance(value, (list, tuple)):
+        raise SettingsError(f"{name} must be a list of model names, got {value!r}")
+    return None if value is None else tuple(value)
+
+
+def _aliases(value: Any, name: str) -> tuple[tuple[str, str], ...]:
+    value = value or {}
+    if not isinstance(value, Mapping):
+        raise SettingsError(f"{name} must be a mapping of engine model name to bundle model name, got {value!r}")
+    return tuple(sorted((str(k), str(v)) for k, v in value.items()))
+
+
+def _int(value: Any, name: str) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError) as exc:
+        raise SettingsError(f"{name} must be an int, got {value!r}") from exc
+
+
+def _number(value: Any, name: str) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError) as exc:
+        raise SettingsError(f"{name} must be a number, got {value!r}") from exc
+
+
+def _bool(value: Any, name: str) -> bool:
+    try:
+        return parse_flag(value, name)
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from exc
+
+
+def _as_given(value: Any, name: str) -> Any:
+    return value
+
+
+def _key(read: Callable[[Any, str], Any], *, default: Any, role: str = "") -> Any:
+    """A field: its default, how :meth:`EngineSettings.from_mapping` reads its value, and its ``role``
+    (``"service"``: a :class:`KVService` keyword; ``"adapter"``: the engine adapter's alone)."""
+    return field(default=default, metadata={"read": read, "role": role})
+
+
 @dataclass(frozen=True, slots=True)
 class EngineSettings:
-    """scd-store's keys in an engine config, validated."""
+    """scd-store's keys in an engine config, validated; frozen and hashable."""
 
-    bundles: tuple[str, ...]
-    store_config: str | None = None
-    aliases: tuple[tuple[str, str], ...] = field(default=())
-    put_queue_chunks: int = 256
-    get_deadline_s: float = 5.0
-    serves_adapters: bool = False
-    model_tag: str = "scd_model"
-    models: tuple[str, ...] | None = None
-    discovery_interval_s: float = 2.0
-    register_bundles: bool = True
-    max_positions: int = 32768
+    bundles: tuple[str, ...] = _key(_paths, default=())
+    store_config: str | None = _key(_as_given, default=None)
+    aliases: tuple[tuple[str, str], ...] = _key(_aliases, default=(), role="service")
+    put_queue_chunks: int = _key(_int, default=defaults.PUT_QUEUE_CHUNKS, role="service")
+    get_deadline_s: float = _key(_number, default=defaults.GET_DEADLINE_S, role="service")
+    serves_adapters: bool = _key(_bool, default=False, role="adapter")
+    model_tag: str = _key(_as_given, default=defaults.MODEL_TAG, role="adapter")
+    models: tuple[str, ...] | None = _key(_names, default=None, role="service")
+    discovery_interval_s: float = _key(_number, default=defaults.DISCOVERY_INTERVAL_S, role="service")
+    register_bundles: bool = _key(_bool, default=True, role="service")
+    max_positions: int = _key(_int, default=defaults.MAX_POSITIONS, role="service")
 
     def __post_init__(self) -> None:
         for bundle in self.bundles:
@@ -78,14 +137,13 @@ class EngineSettings:
             raise SettingsError(f"put_queue_chunks must be a positive int, got {self.put_queue_chunks!r}")
         if not self.get_deadline_s > 0:
             raise SettingsError(f"get_deadline_s must be positive, got {self.get_deadline_s!r}")
-        if not isinstance(self.serves_adapters, bool):
-            raise SettingsError(f"serves_adapters must be true or false, got {self.serves_adapters!r}")
+        for name in ("serves_adapters", "register_bundles"):
+            if not isinstance(getattr(self, name), bool):
+                raise SettingsError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.model_tag, str) or not self.model_tag:
             raise SettingsError(f"model_tag must be a non-empty string, got {self.model_tag!r}")
         if self.models is not None and not all(isinstance(m, str) and m for m in self.models):
             raise SettingsError(f"models must be a list of model names, got {self.models!r}")
-        if not isinstance(self.register_bundles, bool):
-            raise SettingsError(f"register_bundles must be true or false, got {self.register_bundles!r}")
         if isinstance(self.max_positions, bool) or not isinstance(self.max_positions, int) or self.max_positions <= 0:
             raise SettingsError(f"max_positions must be a positive int, got {self.max_positions!r}")
         if not self.discovery_interval_s >= 0:
@@ -93,47 +151,27 @@ class EngineSettings:
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], prefix: str = "") -> EngineSettings:
-        """Read ``{prefix}bundles`` etc. from ``values``; unknown ``{prefix}*`` keys are an error."""
+        """Read ``{prefix}bundles`` etc. from ``values``, each by its field's reader (absent ones take the
+        field's default); unknown ``{prefix}*`` keys are an error."""
         ours = {k[len(prefix):]: v for k, v in values.items() if k.startswith(prefix)}
         unknown = sorted(set(ours) - set(KNOWN))
         if unknown:
-            hint = " (positions always come from the engine now)" if "positions" in unknown else ""
+            hint = " (positions come from the engine, never from a setting)" if "positions" in unknown else ""
             raise SettingsError(f"unknown scd-store settings {[prefix + k for k in unknown]}{hint}; known: "
                                 f"{sorted(prefix + k for k in KNOWN)}")
-        bundles = ours.get("bundles", ())
-        if isinstance(bundles, str):
-            bundles = [b.strip() for b in bundles.split(",") if b.strip()]
-        if not isinstance(bundles, (list, tuple)) or not all(isinstance(b, str) for b in bundles):
-            raise SettingsError(f"bundles must be a list of paths or a comma-separated string, got {bundles!r}")
-        aliases = ours.get("aliases") or {}
-        if not isinstance(aliases, Mapping):
-            raise SettingsError(f"aliases must be a mapping of engine model name to bundle model name, got {aliases!r}")
-        try:
-            queue_chunks = int(ours.get("put_queue_chunks", 256))
-            deadline = float(ours.get("get_deadline_s", 5.0))
-            interval = float(ours.get("discovery_interval_s", 2.0))
-        except (TypeError, ValueError) as exc:
-            raise SettingsError(f"put_queue_chunks, get_deadline_s and discovery_interval_s must be numbers: "
-                                f"{exc}") from exc
-        models = ours.get("models")
-        if isinstance(models, str):
-            models = [m.strip() for m in models.split(",") if m.strip()]
-        if models is not None and not isinstance(models, (list, tuple)):
-            raise SettingsError(f"models must be a list of model names, got {models!r}")
-        serves, register = (_flag(ours.get(name, default)) for name, default in
-                            (("serves_adapters", False), ("register_bundles", True)))
-        try:
-            max_positions = int(ours.get("max_positions", 32768))
-        except (TypeError, ValueError) as exc:
-            raise SettingsError(f"max_positions must be an int: {exc}") from exc
-        return cls(tuple(str(Path(b)) for b in bundles), ours.get("store_config"),
-                   tuple(sorted((str(k), str(v)) for k, v in aliases.items())), queue_chunks, deadline, serves,
-                   ours.get("model_tag", "scd_model"), None if models is None else tuple(models), interval, register,
-                   max_positions)
+        return cls(**{f.name: f.metadata["read"](ours[f.name], f.name) for f in fields(cls) if f.name in ours})
+
+    def service_kwargs(self) -> dict[str, Any]:
+        """The :class:`~scd_store.service.kv_service.KVService` keywords: every ``"service"`` field (aliases
+        as a dict)."""
+        kwargs = {f.name: getattr(self, f.name) for f in fields(self) if f.metadata["role"] == "service"}
+        kwargs["aliases"] = dict(self.aliases)
+        return kwargs
+
+    def shared_key(self) -> EngineSettings:
+        """These settings with the adapter's own keys at their defaults: engines whose keys are equal need the
+        same store and service, so they share one."""
+        return replace(self, **{f.name: f.default for f in fields(self) if f.metadata["role"] == "adapter"})
 
 
-def _flag(value: Any) -> Any:
-    """``"true"`` / ``"false"`` strings (engine configs pass strings) as bools; anything else unchanged."""
-    if isinstance(value, str) and value.lower() in ("true", "false"):
-        return value.lower() == "true"
-    return value
+KNOWN = tuple(f.name for f in fields(EngineSettings))

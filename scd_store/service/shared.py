@@ -1,4 +1,9 @@
-"""One :class:`KVService` per process and configuration, shared by the engines that name it."""
+"""One :class:`KVService` per process and configuration, shared by the engines that name it.
+
+The engine's :class:`~scd_store.service.settings.EngineSettings` are handed down from here: its
+``store_config`` to :func:`~scd_store.store.config.load_config` and
+:func:`~scd_store.store.build.open_store`, its service keywords to :class:`KVService`.
+"""
 
 from __future__ import annotations
 
@@ -10,25 +15,18 @@ from scd_store.store.build import open_store
 from scd_store.store.config import load_config
 
 _lock = threading.Lock()
-_services: dict[tuple, tuple[KVService, int]] = {}
+_services: dict[EngineSettings, tuple[KVService, int]] = {}
 
 
 def acquire_service(settings: EngineSettings) -> KVService:
     """The process's service for these settings (opened on first use, reference counted)."""
-    key = (settings.store_config, settings.bundles, settings.aliases, settings.put_queue_chunks,
-           settings.get_deadline_s, settings.models, settings.discovery_interval_s, settings.register_bundles,
-           settings.max_positions)
+    key = settings.shared_key()
     with _lock:
         entry = _services.get(key)
         if entry is None:
             store = open_store(load_config(settings.store_config))
             try:
-                service = KVService(store, settings.bundles, aliases=dict(settings.aliases),
-                                    put_queue_chunks=settings.put_queue_chunks,
-                                    get_deadline_s=settings.get_deadline_s, models=settings.models,
-                                    discovery_interval_s=settings.discovery_interval_s,
-                                    register_bundles=settings.register_bundles,
-                                    max_positions=settings.max_positions)
+                service = KVService(store, settings.bundles, **settings.service_kwargs())
             except BaseException:
                 store.close()
                 raise

@@ -1,4 +1,10 @@
-"""Build a :class:`TieredStore` (tiers, registry, stats wiring) from a :class:`StoreConfig`."""
+"""Build a :class:`TieredStore` (tiers, registry, keyring, stats wiring) from a :class:`StoreConfig`.
+
+:func:`open_store` is where the store's branch of the configuration tree is handed down: every
+:class:`StoreConfig` value goes to :class:`TieredStore` or to a tier (:func:`build_tier`) from here, and
+nothing here reads a setting from the environment itself (``SCD_STORE_SIGNING_KEY`` and
+``SCD_STORE_SIGNING_KEYS`` are read by :meth:`~scd_store.store.signing.Keyring.from_env`).
+"""
 
 from __future__ import annotations
 
@@ -132,5 +138,6 @@ def open_store(config: StoreConfig | None = None, *, registry: Registry | None =
                        writers=[c.writers for c, _ in pairs], backoff_min_s=config.retry_backoff_min_s,
                        backoff_max_s=config.retry_backoff_max_s,
                        stats_sink=sink, keyring=keyring_for(config, stats=stats),
-                       registry_refresh_s=config.registry_refresh_s,
+                       registry_refresh_s=config.registry_refresh_s, repair_s=config.repair_s,
+                       stats_flush_s=config.stats_flush_s,
                        tier_timeouts={t.name: float(c.op_timeout_s) for c, t in pairs if c.op_timeout_s is not None})

@@ -1,7 +1,14 @@
-"""One typed store configuration: defaults, then YAML, then ``SCD_STORE_*`` environment variables.
+"""The store's branch of the configuration tree: :class:`StoreConfig` and its :class:`TierConfig` tiers.
+
+An engine's :class:`~scd_store.service.settings.EngineSettings` names the YAML; :func:`load_config`
+reads defaults (:mod:`scd_store.store.defaults`), then that YAML, then the environment variables of
+:data:`STORE_ENV` and :data:`TIER_ENV` (plus :data:`CONFIG_ENV`, :data:`TIERS_ENV`), each named
+literally here and listed in docs/configuration.md; :func:`scd_store.store.build.open_store` hands
+every value to the tiers and the :class:`~scd_store.store.tiered.TieredStore`.
 
 The embedded default is a CPU tier plus a local disk tier under ``scd_store.paths.data_dir()``:
-no server needed. Byte sizes accept ints or strings such as ``"512MiB"`` / ``"2GB"``.
+no server needed. Byte sizes accept ints or strings such as ``"512MiB"`` / ``"2GB"``; booleans
+follow :func:`scd_store.flags.parse_flag` wherever they come from.
 """
 
 from __future__ import annotations
@@ -14,14 +21,69 @@ from pathlib import Path
 from typing import Any
 
 from scd_store.errors import ScdStoreError
+from scd_store.flags import parse_flag
+from scd_store.store import defaults
 from scd_store.store.fs_safety import inside
-from scd_store.store.keys import DEFAULT_CHUNK_SIZE, validate_chunk_size
+from scd_store.store.keys import validate_chunk_size
 from scd_store.store.redis_url import parse_redis_url
 
 TIER_KINDS = ("gpu", "cpu", "peer", "disk", "redis")
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+CONFIG_ENV = "SCD_STORE_CONFIG"  # the YAML file
+TIERS_ENV = "SCD_STORE_TIERS"  # comma-separated tier kinds, replacing the YAML's list
+REDIS_URL_ENV = "SCD_STORE_REDIS_URL"  # the redis tier's url; adds a redis tier when there is none
+STORE_ENV: dict[str, str] = {  # variable -> StoreConfig field
+    "SCD_STORE_CHUNK_SIZE": "chunk_size",
+    "SCD_STORE_OP_TIMEOUT_S": "op_timeout_s",
+    "SCD_STORE_PUT_TIMEOUT_S": "put_timeout_s",
+    "SCD_STORE_REGISTRY_URL": "registry_url",
+    "SCD_STORE_REGISTRY_PATH": "registry_path",
+    "SCD_STORE_STATS_REDIS_URL": "stats_redis_url",
+    "SCD_STORE_STATS_PATH": "stats_path",
+    "SCD_STORE_METRICS_PORT": "metrics_port",
+    "SCD_STORE_RAW_KV_BYTES_PER_TOKEN": "raw_kv_bytes_per_token",
+    "SCD_STORE_SIGNING_KEYS": "signing_keys",
+    "SCD_STORE_REQUIRE_SIGNED": "require_signed",
+    "SCD_STORE_ALLOW_UNSIGNED": "allow_unsigned",
+    "SCD_STORE_REGISTRY_REFRESH_S": "registry_refresh_s",
+    "SCD_STORE_REPAIR_S": "repair_s",
+    "SCD_STORE_STATS_FLUSH_S": "stats_flush_s",
+}
+TIER_ENV: dict[str, tuple[str, str]] = {  # variable -> (tier kind, TierConfig field), for every tier of that kind
+    "SCD_STORE_GPU_MAX_BYTES": ("gpu", "max_bytes"),
+    "SCD_STORE_GPU_PATH": ("gpu", "path"),
+    "SCD_STORE_GPU_TTL_S": ("gpu", "ttl_s"),
+    "SCD_STORE_GPU_URL": ("gpu", "url"),
+    "SCD_STORE_GPU_QUEUE_SIZE": ("gpu", "queue_size"),
+    "SCD_STORE_GPU_MAX_VALUE_BYTES": ("gpu", "max_value_bytes"),
+    "SCD_STORE_CPU_MAX_BYTES": ("cpu", "max_bytes"),
+    "SCD_STORE_CPU_PATH": ("cpu", "path"),
+    "SCD_STORE_CPU_TTL_S": ("cpu", "ttl_s"),
+    "SCD_STORE_CPU_URL": ("cpu", "url"),
+    "SCD_STORE_CPU_QUEUE_SIZE": ("cpu", "queue_size"),
+    "SCD_STORE_CPU_MAX_VALUE_BYTES": ("cpu", "max_value_bytes"),
+    "SCD_STORE_PEER_MAX_BYTES": ("peer", "max_bytes"),
+    "SCD_STORE_PEER_PATH": ("peer", "path"),
+    "SCD_STORE_PEER_TTL_S": ("peer", "ttl_s"),
+    "SCD_STORE_PEER_URL": ("peer", "url"),
+    "SCD_STORE_PEER_QUEUE_SIZE": ("peer", "queue_size"),
+    "SCD_STORE_PEER_MAX_VALUE_BYTES": ("peer", "max_value_bytes"),
+    "SCD_STORE_DISK_MAX_BYTES": ("disk", "max_bytes"),
+    "SCD_STORE_DISK_PATH": ("disk", "path"),
+    "SCD_STORE_DISK_TTL_S": ("disk", "ttl_s"),
+    "SCD_STORE_DISK_URL": ("disk", "url"),
+    "SCD_STORE_DISK_QUEUE_SIZE": ("disk", "queue_size"),
+    "SCD_STORE_DISK_MAX_VALUE_BYTES": ("disk", "max_value_bytes"),
+    "SCD_STORE_REDIS_MAX_BYTES": ("redis", "max_bytes"),
+    "SCD_STORE_REDIS_PATH": ("redis", "path"),
+    "SCD_STORE_REDIS_TTL_S": ("redis", "ttl_s"),
+    REDIS_URL_ENV: ("redis", "url"),
+    "SCD_STORE_REDIS_QUEUE_SIZE": ("redis", "queue_size"),
+    "SCD_STORE_REDIS_MAX_VALUE_BYTES": ("redis", "max_value_bytes"),
+}
 
 
 class ConfigError(ScdStoreError, ValueError):
@@ -38,6 +100,14 @@ def parse_bytes(value: int | str) -> int:
     if not match or match.group(2).lower() not in _UNITS:
         raise ConfigError(f"not a byte size: {value!r} (use e.g. 1048576, '512MiB', '2GB')")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def _bool(value: Any, name: str) -> bool:
+    """:func:`~scd_store.flags.parse_flag`, failing as a :class:`ConfigError`."""
+    try:
+        return parse_flag(value, name)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
 
 
 def _default_disk_path() -> str:
@@ -64,12 +134,14 @@ class TierConfig:
     publish: bool = True
     transfer: str = "auto"
     op_timeout_s: float | None = None
-    queue_size: int = 256
-    writers: int = 2
+    queue_size: int = defaults.QUEUE_SIZE
+    writers: int = defaults.WRITERS
 
     def __post_init__(self) -> None:
         if self.kind not in TIER_KINDS:
             raise ConfigError(f"unknown tier kind {self.kind!r}; use one of {TIER_KINDS}")
+        for name in ("apply_server_maxmemory", "pinned", "fsync", "publish"):
+            setattr(self, name, _bool(getattr(self, name), f"{self.kind} tier: {name}"))
         self.max_bytes = parse_bytes(self.max_bytes)
         self.max_value_bytes = parse_bytes(self.max_value_bytes)
         if self.max_bytes <= 0 or self.max_value_bytes <= 0:
@@ -103,14 +175,14 @@ def _default_tiers() -> tuple[TierConfig, ...]:
 
 @dataclass(slots=True)
 class StoreConfig:
-    """The store: ordered tiers (fastest first), chunking, timeouts, registry and stats wiring."""
+    """The store: ordered tiers (fastest first), chunking, timeouts, registry, repair and stats wiring."""
 
     tiers: tuple[TierConfig, ...] = field(default_factory=_default_tiers)
-    chunk_size: int = DEFAULT_CHUNK_SIZE
-    op_timeout_s: float = 2.0
-    put_timeout_s: float = 30.0
-    retry_backoff_min_s: float = 0.1
-    retry_backoff_max_s: float = 5.0
+    chunk_size: int = defaults.CHUNK_SIZE
+    op_timeout_s: float = defaults.OP_TIMEOUT_S
+    put_timeout_s: float = defaults.PUT_TIMEOUT_S
+    retry_backoff_min_s: float = defaults.BACKOFF_MIN_S
+    retry_backoff_max_s: float = defaults.BACKOFF_MAX_S
     registry_url: str | None = None
     registry_path: str | None = None
     stats_redis_url: str | None = None
@@ -120,7 +192,9 @@ class StoreConfig:
     signing_keys: str | None = None
     require_signed: bool = False
     allow_unsigned: bool = False
-    registry_refresh_s: float = 2.0
+    registry_refresh_s: float = defaults.REGISTRY_REFRESH_S
+    repair_s: float = defaults.REPAIR_S
+    stats_flush_s: float = defaults.STATS_FLUSH_S
 
     def __post_init__(self) -> None:
         self.tiers = tuple(t if isinstance(t, TierConfig) else TierConfig(**t) for t in self.tiers)
@@ -134,7 +208,7 @@ class StoreConfig:
             validate_chunk_size(self.chunk_size)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
-        for name in ("op_timeout_s", "put_timeout_s", "retry_backoff_min_s", "retry_backoff_max_s"):
+        for name in ("op_timeout_s", "put_timeout_s", "retry_backoff_min_s", "retry_backoff_max_s", "stats_flush_s"):
             if float(getattr(self, name)) <= 0:
                 raise ConfigError(f"{name} must be > 0")
         if self.retry_backoff_max_s < self.retry_backoff_min_s:
@@ -149,9 +223,8 @@ class StoreConfig:
         if self.signing_keys is not None and not Path(self.signing_keys).exists():
             raise ConfigError(f"signing_keys {self.signing_keys!r} does not exist (a key file or a directory of "
                               "<space_id>.keys files)")
-        for name in ("require_signed", "allow_unsigned"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        self.require_signed = _bool(self.require_signed, "require_signed")
+        self.allow_unsigned = _bool(self.allow_unsigned, "allow_unsigned")
         if self.require_signed and self.allow_unsigned:
             raise ConfigError("require_signed and allow_unsigned contradict each other: set one")
         for tier in self.tiers:
@@ -160,6 +233,8 @@ class StoreConfig:
                                   "can write blobs there could rewrite the registry; put it outside")
         if float(self.registry_refresh_s) < 0:
             raise ConfigError("registry_refresh_s must be >= 0 (0: never re-read the registry)")
+        if float(self.repair_s) < 0:
+            raise ConfigError("repair_s must be >= 0 (0: never take readers' reports)")
 
     @property
     def redis_url(self) -> str | None:
@@ -193,55 +268,43 @@ class StoreConfig:
         return cls.from_dict(data.get("store", data))
 
     def with_env(self, env: Mapping[str, str]) -> StoreConfig:
-        """Apply ``SCD_STORE_*`` overrides (see docs/store.md for the list)."""
+        """Apply the variables: :data:`TIERS_ENV` / :data:`REDIS_URL_ENV` choose the tiers, then
+        :data:`TIER_ENV` and :data:`STORE_ENV` set fields (docs/configuration.md lists them all)."""
         cfg = replace(self)
-        if "SCD_STORE_TIERS" in env:
-            kinds = [k.strip() for k in env["SCD_STORE_TIERS"].split(",") if k.strip()]
+        if TIERS_ENV in env:
+            kinds = [k.strip() for k in env[TIERS_ENV].split(",") if k.strip()]
             by_kind = {t.kind: t for t in cfg.tiers}
-            redis_url = env.get("SCD_STORE_REDIS_URL") or cfg.redis_url
-            tiers = []
-            for k in kinds:
-                if k in by_kind:
-                    tiers.append(by_kind[k])
-                else:
-                    tiers.append(TierConfig(k, url=redis_url if k == "redis" else None))
-            cfg = replace(cfg, tiers=tuple(tiers))
-        elif "SCD_STORE_REDIS_URL" in env and not any(t.kind == "redis" for t in cfg.tiers):
-            cfg = replace(cfg, tiers=(*cfg.tiers, TierConfig("redis", url=env["SCD_STORE_REDIS_URL"])))
-        tiers = list(cfg.tiers)
-        for i, t in enumerate(tiers):
-            prefix = f"SCD_STORE_{t.kind.upper()}_"
-            updates: dict[str, Any] = {}
-            for key, cast in (("MAX_BYTES", str), ("PATH", str), ("TTL_S", float), ("URL", str),
-                              ("QUEUE_SIZE", int), ("MAX_VALUE_BYTES", str)):
-                if prefix + key in env:
-                    updates[key.lower()] = cast(env[prefix + key])
-            if t.kind == "redis" and "SCD_STORE_REDIS_URL" in env:
-                updates["url"] = env["SCD_STORE_REDIS_URL"]
-            if updates:
-                tiers[i] = replace(t, **updates)
-        updates = {}
-        for key, cast in (("CHUNK_SIZE", int), ("OP_TIMEOUT_S", float), ("PUT_TIMEOUT_S", float),
-                          ("REGISTRY_URL", str), ("REGISTRY_PATH", str), ("STATS_REDIS_URL", str), ("STATS_PATH", str),
-                          ("METRICS_PORT", int), ("RAW_KV_BYTES_PER_TOKEN", int), ("SIGNING_KEYS", str),
-                          ("REQUIRE_SIGNED", _flag), ("ALLOW_UNSIGNED", _flag), ("REGISTRY_REFRESH_S", float)):
-            if "SCD_STORE_" + key in env:
-                try:
-                    updates[key.lower()] = cast(env["SCD_STORE_" + key])
-                except ValueError as exc:
-                    raise ConfigError(f"SCD_STORE_{key}: {exc}") from exc
-        return replace(cfg, tiers=tuple(tiers), **updates)
+            redis_url = env.get(REDIS_URL_ENV) or cfg.redis_url
+            cfg = replace(cfg, tiers=tuple(by_kind[k] if k in by_kind else
+                                           TierConfig(k, url=redis_url if k == "redis" else None) for k in kinds))
+        elif REDIS_URL_ENV in env and not any(t.kind == "redis" for t in cfg.tiers):
+            cfg = replace(cfg, tiers=(*cfg.tiers, TierConfig("redis", url=env[REDIS_URL_ENV])))
+        per_kind: dict[str, dict[str, Any]] = {}
+        for name, (kind, key) in TIER_ENV.items():
+            if name in env:
+                per_kind.setdefault(kind, {})[key] = _env_value(TierConfig, key, name, env[name])
+        tiers = tuple(replace(t, **per_kind[t.kind]) if t.kind in per_kind else t for t in cfg.tiers)
+        updates = {key: _env_value(StoreConfig, key, name, env[name]) for name, key in STORE_ENV.items() if name in env}
+        return replace(cfg, tiers=tiers, **updates)
 
 
-def _flag(text: str) -> bool:
-    if text.lower() not in ("1", "0", "true", "false", "yes", "no"):
-        raise ValueError(f"expected true or false, got {text!r}")
-    return text.lower() in ("1", "true", "yes")
+def _env_value(cls: type, key: str, name: str, text: str) -> Any:
+    """The text of variable ``name`` as a value of ``cls``'s field ``key``, cast by the field's type: a bool
+    by :func:`~scd_store.flags.parse_flag`, a field that takes text as given, else an int or a float."""
+    kinds = {part.strip() for part in str(next(f.type for f in fields(cls) if f.name == key)).split("|")} - {"None"}
+    if kinds == {"bool"}:
+        return _bool(text, name)
+    if "str" in kinds:
+        return text
+    try:
+        return int(text) if kinds == {"int"} else float(text)
+    except ValueError as exc:
+        raise ConfigError(f"{name}: {exc}") from exc
 
 
 def load_config(path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None) -> StoreConfig:
-    """Defaults, then the YAML at ``path`` (or ``$SCD_STORE_CONFIG``), then ``SCD_STORE_*`` variables."""
+    """Defaults, then the YAML at ``path`` (or ``$SCD_STORE_CONFIG``), then the ``SCD_STORE_*`` variables."""
     env = os.environ if env is None else env
-    path = path or env.get("SCD_STORE_CONFIG")
+    path = path or env.get(CONFIG_ENV)
     base = StoreConfig.from_yaml(path) if path else StoreConfig()
     return base.with_env(env)

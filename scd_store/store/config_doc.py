@@ -1,14 +1,17 @@
-"""The configuration reference (docs/configuration.md), generated from the typed config.
+"""The configuration reference (docs/configuration.md), generated from the store's configuration tree.
 
-``python -m scd_store.store.config_doc > docs/configuration.md``; a test fails when a config field
-has no description here or the committed page is stale.
+``python -m scd_store.store.config_doc > docs/configuration.md``. The page lists every
+:class:`StoreConfig` / :class:`TierConfig` key and every environment variable by its literal name
+(:data:`~scd_store.store.config.STORE_ENV`, :data:`~scd_store.store.config.TIER_ENV`, and
+:data:`OTHER_ENV` for those read elsewhere); tests fail when a key or variable is missing here or the
+committed page is stale.
 """
 
 from __future__ import annotations
 
 from dataclasses import MISSING, fields
 
-from scd_store.store.config import TIER_KINDS, StoreConfig, TierConfig
+from scd_store.store.config import REDIS_URL_ENV, STORE_ENV, TIER_ENV, TIER_KINDS, StoreConfig, TierConfig
 
 STORE_DOCS = {
     "tiers": "ordered tiers, fastest first (`gpu`, `cpu`, `peer`, `disk`, `redis`); default: cpu 1GiB + disk 8GiB",
@@ -35,6 +38,9 @@ STORE_DOCS = {
                       "write to them can then plant codes readers decode",
     "registry_refresh_s": "how often the registry's version is checked; a revoked or changed space or pair takes "
                           "effect within this (0: never)",
+    "repair_s": "how often a producer takes what readers reported on the shared tiers (bad blobs to delete and "
+                "rewrite, verified hits whose TTL it refreshes; 0: never)",
+    "stats_flush_s": "how often this process's counters go to the stats sink (Redis or its snapshot file)",
 }
 TIER_DOCS = {
     "kind": f"one of {', '.join(TIER_KINDS)}",
@@ -61,23 +67,32 @@ TIER_DOCS = {
     "op_timeout_s": "this tier's own deadline per operation (default: the store's `op_timeout_s`)",
     "writers": "background writers draining this tier's queue",
 }
-ENV = [
-    ("SCD_STORE_CONFIG", "path of the YAML file"),
-    ("SCD_STORE_HOME", "the data directory (models, bundles, the embedded store); default `~/.cache/scd-store`"),
-    ("SCD_STORE_TIERS", "comma-separated tier kinds, e.g. `cpu,redis`"),
-    ("SCD_STORE_REDIS_URL", "URL of the Redis tier (adds one when absent)"),
-    ("SCD_STORE_<KIND>_<FIELD>", "`MAX_BYTES`, `PATH`, `TTL_S`, `URL`, `QUEUE_SIZE`, `MAX_VALUE_BYTES` of a tier"),
-    ("SCD_STORE_DECODE_MATMUL", "`float32` or `bfloat16`: the SCD decode's products where "
-                                "`ScdCodec(matmul=\"auto\")` (the default) would choose (bf16 on CPUs with AMX "
-                                "tiles, fp32 elsewhere; docs/scd.md)"),
-    ("SCD_STORE_GLIBC_MMAP", "`1` keeps glibc's mmap of large blocks in the `scd-store` process (by default it "
-                             "reuses freed blocks: `mallopt(M_MMAP_MAX, 0)`, see docs/scd.md)"),
-    ("SCD_STORE_<FIELD>", "`CHUNK_SIZE`, `OP_TIMEOUT_S`, `PUT_TIMEOUT_S`, `REGISTRY_URL`, `REGISTRY_PATH`, "
-                          "`STATS_REDIS_URL`, `STATS_PATH`, `METRICS_PORT`, `RAW_KV_BYTES_PER_TOKEN`, "
-                          "`SIGNING_KEYS`, `REQUIRE_SIGNED`, `ALLOW_UNSIGNED`, `REGISTRY_REFRESH_S`"),
-    ("SCD_STORE_SIGNING_KEY", "one key inline, `key_id:ed25519-private:HEX` or `key_id:ed25519-public:HEX` (for "
-                              "every space; first before the file's)"),
+OTHER_ENV = [  # variables read outside StoreConfig's fields: by load_config, the keyring, codecs, adapters, tools
+    ("SCD_STORE_CONFIG", "`load_config`", "path of the store's YAML file"),
+    ("SCD_STORE_TIERS", "`load_config`", "comma-separated tier kinds replacing the YAML's list, e.g. `cpu,redis` "
+                                         "(a kind the YAML lacks gets its defaults; `redis` the URL above)"),
+    ("SCD_STORE_HOME", "`scd_store.paths`", "the data directory (models, bundles, the embedded store, the registry "
+                                            "and stats without Redis, the host keyring); default `~/.cache/scd-store`"),
+    ("SCD_STORE_SIGNING_KEY", "the keyring", "one key inline, `key_id:ed25519-private:HEX` or "
+                                             "`key_id:ed25519-public:HEX` (for every space; first before the file's)"),
+    ("SCD_STORE_DECODE_MATMUL", "the SCD codec", "`float32` or `bfloat16`: the SCD decode's products where "
+                                                 "`ScdCodec(matmul=\"auto\")` (the default) would choose (bf16 on "
+                                                 "CPUs with AMX tiles, fp32 elsewhere; docs/scd.md)"),
+    ("SCD_STORE_GLIBC_MMAP", "the `scd-store` CLI", "true (`1`, `yes`, `on`) keeps glibc's mmap of large blocks in "
+                                                    "the `scd-store` process; unset or false, it reuses freed blocks "
+                                                    "(`mallopt(M_MMAP_MAX, 0)`, docs/scd.md); any other value is "
+                                                    "warned about and ignored"),
+    ("SCD_STORE_ENGINE_SERVES_LORA", "the LMCache plugin", "`1`: this process's engine serves LoRA adapters, as "
+                                                           "`serves_adapters` (set by scd-store's vLLM connector of "
+                                                           "an `--enable-lora` engine, not by hand)"),
+    ("SCD_STORE_PYTHON_STDLIB", "the calibration corpora", "directory of the Python standard library sources the "
+                                                           "`python` corpus reads (default: this interpreter's), to "
+                                                           "pin one Python version's sources"),
 ]
+ENV_NOTES = {  # what a variable of STORE_ENV / TIER_ENV does beyond setting its field
+    REDIS_URL_ENV: "; adds a redis tier when the tiers have none, and is the URL of one `SCD_STORE_TIERS` adds",
+    "SCD_STORE_SIGNING_KEYS": "; the keyring also takes it before a config's `signing_keys`",
+}
 
 
 def _default(f) -> str:
@@ -96,15 +111,27 @@ def _table(cls, docs: dict[str, str]) -> list[str]:
     return rows
 
 
+def _environment() -> list[str]:
+    """One row per variable, by its literal name: the store's, the tiers', then the rest."""
+    store = [f"| `{name}` | `{key}`{ENV_NOTES.get(name, '')} |" for name, key in STORE_ENV.items()]
+    tiers = [f"| `{name}` | {kind} | `{key}`{ENV_NOTES.get(name, '')} |" for name, (kind, key) in TIER_ENV.items()]
+    other = [f"| `{name}` | {reader} | {meaning} |" for name, reader, meaning in OTHER_ENV]
+    return ["### Store keys", "", "| variable | sets |", "| --- | --- |", *store, "",
+            "### Tier keys (every tier of the kind)", "", "| variable | tier | sets |", "| --- | --- | --- |", *tiers,
+            "", "### Others", "", "| variable | read by | meaning |", "| --- | --- | --- |", *other]
+
+
 def reference() -> str:
     """The Markdown page."""
     lines = ["# Configuration reference", "",
              "Generated from `scd_store/store/config.py` by `python -m scd_store.store.config_doc`; do not edit.",
              "", "Order: defaults, then the YAML (`--config` / `$SCD_STORE_CONFIG`, top level or under `store:`), "
-             "then `SCD_STORE_*` variables. Unknown keys are errors.", "", "## Store (`StoreConfig`)", "",
+             "then `SCD_STORE_*` variables. Unknown keys are errors; booleans are `true`/`false`, `1`/`0`, "
+             "`yes`/`no` or `on`/`off`, anything else is an error.", "", "## Store (`StoreConfig`)", "",
              *_table(StoreConfig, STORE_DOCS), "", "## Tier (`TierConfig`, one entry of `tiers`)", "",
-             *_table(TierConfig, TIER_DOCS), "", "## Environment", "", "| variable | meaning |", "| --- | --- |",
-             *[f"| `{k}` | {v} |" for k, v in ENV], "", "## Example", "", "```yaml", "store:",
+             *_table(TierConfig, TIER_DOCS), "", "## Environment", "",
+             "Every variable scd-store reads, by its name. A variable's text is read as its key's type (byte sizes "
+             "and booleans as in the YAML).", "", *_environment(), "", "## Example", "", "```yaml", "store:",
              "  tiers:", "    - {kind: cpu, max_bytes: 2GiB}",
              "    - {kind: disk, path: /var/lib/scd, max_bytes: 64GiB}",
              "    - {kind: redis, url: 'rediss://scd:secret@redis.internal:6380/0', ttl_s: 86400}",

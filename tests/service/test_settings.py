@@ -34,10 +34,10 @@ def test_settings_read_their_prefix_and_refuse_unknown_keys(bundle):
     ({"bundles": ["/nowhere"]}, "not a calibration bundle"),
     ({"bundles": [1]}, "list of paths"),
     ({"aliases": ["a"]}, "aliases must be a mapping"),
-    ({"positions": "batch"}, "positions always come from the engine"),
+    ({"positions": "batch"}, "positions come from the engine"),
     ({"put_queue_chunks": -1}, "put_queue_chunks must be a positive int"),
     ({"get_deadline_s": 0}, "get_deadline_s must be positive"),
-    ({"get_deadline_s": "soon"}, "must be numbers"),
+    ({"get_deadline_s": "soon"}, "get_deadline_s must be a number"),
     ({"serves_adapters": "sometimes"}, "serves_adapters must be true or false"),
     ({"model_tag": ""}, "model_tag must be a non-empty string"),
     ({"register_bundles": "maybe"}, "register_bundles must be true or false"),
@@ -63,3 +63,39 @@ def test_engines_with_the_same_settings_share_one_service(bundle, tmp_path, monk
     assert not first.store._closed  # one reference left
     release_service(first)
     assert first.store._closed
+
+
+def test_absent_keys_take_the_fields_defaults():
+    from scd_store.service import defaults
+
+    settings = EngineSettings.from_mapping({})
+    assert settings == EngineSettings()
+    assert (settings.put_queue_chunks, settings.get_deadline_s, settings.discovery_interval_s) == (
+        defaults.PUT_QUEUE_CHUNKS, defaults.GET_DEADLINE_S, defaults.DISCOVERY_INTERVAL_S)
+    assert (settings.max_positions, settings.model_tag) == (defaults.MAX_POSITIONS, defaults.MODEL_TAG)
+
+
+@pytest.mark.parametrize("text, value", [("yes", True), ("ON", True), ("1", True), ("off", False), ("0", False),
+                                         (False, False)])
+def test_boolean_settings_follow_the_one_rule(text, value):
+    settings = EngineSettings.from_mapping({"serves_adapters": text, "register_bundles": text})
+    assert (settings.serves_adapters, settings.register_bundles) == (value, value)
+
+
+def test_service_kwargs_are_the_kvservice_keywords():
+    import inspect
+
+    from scd_store.service import KVService
+
+    keywords = {name for name, p in inspect.signature(KVService).parameters.items() if p.kind is p.KEYWORD_ONLY}
+    kwargs = EngineSettings.from_mapping({"aliases": {"b": "a"}, "models": "a", "max_positions": 64}).service_kwargs()
+    assert set(kwargs) == keywords - {"replace_registrations"}
+    assert (kwargs["aliases"], kwargs["models"], kwargs["max_positions"]) == ({"b": "a"}, ("a",), 64)
+
+
+def test_engines_differing_only_in_adapter_keys_share_a_key():
+    plain = EngineSettings.from_mapping({"models": "a"})
+    tagged = EngineSettings.from_mapping({"models": "a", "serves_adapters": True, "model_tag": "who"})
+    assert plain != tagged and hash(plain.shared_key()) == hash(tagged.shared_key())
+    assert plain.shared_key() == tagged.shared_key() == plain
+    assert EngineSettings.from_mapping({"models": "b"}).shared_key() != plain.shared_key()

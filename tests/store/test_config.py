@@ -71,3 +71,78 @@ def test_redis_urls() -> None:
     for bad in ("http://h", "redis://", "redis+sentinel://h:1", "redis://a:1,b:2", "redis+cluster://h:1/3"):
         with pytest.raises(RedisURLError):
             parse_redis_url(bad)
+
+
+def test_every_tier_kind_has_its_variables_by_literal_name() -> None:
+    from scd_store.store.config import TIER_ENV, TIER_KINDS
+
+    keys = ("max_bytes", "path", "ttl_s", "url", "queue_size", "max_value_bytes")
+    assert set(TIER_ENV.values()) == {(kind, key) for kind in TIER_KINDS for key in keys}
+    assert all(name == f"SCD_STORE_{kind.upper()}_{key.upper()}" for name, (kind, key) in TIER_ENV.items())
+
+
+def test_store_variables_name_their_fields() -> None:
+    from dataclasses import fields
+
+    from scd_store.store.config import STORE_ENV
+
+    assert set(STORE_ENV.values()) <= {f.name for f in fields(StoreConfig)}
+    assert all(name == f"SCD_STORE_{key.upper()}" for name, key in STORE_ENV.items())
+
+
+def test_defaults_come_from_the_defaults_module() -> None:
+    from scd_store.store import defaults
+
+    cfg, tier = StoreConfig(tiers=(TierConfig("cpu"),)), TierConfig("cpu")
+    assert (cfg.chunk_size, cfg.op_timeout_s, cfg.put_timeout_s, cfg.registry_refresh_s) == (
+        defaults.CHUNK_SIZE, defaults.OP_TIMEOUT_S, defaults.PUT_TIMEOUT_S, defaults.REGISTRY_REFRESH_S)
+    assert (cfg.retry_backoff_min_s, cfg.retry_backoff_max_s) == (defaults.BACKOFF_MIN_S, defaults.BACKOFF_MAX_S)
+    assert (cfg.repair_s, cfg.stats_flush_s) == (defaults.REPAIR_S, defaults.STATS_FLUSH_S)
+    assert (tier.queue_size, tier.writers) == (defaults.QUEUE_SIZE, defaults.WRITERS)
+
+
+def test_repair_and_stats_flush_intervals() -> None:
+    cfg = load_config(env={"SCD_STORE_TIERS": "cpu", "SCD_STORE_REPAIR_S": "0", "SCD_STORE_STATS_FLUSH_S": "0.5"})
+    assert (cfg.repair_s, cfg.stats_flush_s) == (0.0, 0.5)
+    with pytest.raises(ConfigError, match="repair_s must be >= 0"):
+        StoreConfig(tiers=(TierConfig("cpu"),), repair_s=-1)
+    with pytest.raises(ConfigError, match="stats_flush_s must be > 0"):
+        load_config(env={"SCD_STORE_TIERS": "cpu", "SCD_STORE_STATS_FLUSH_S": "0"})
+
+
+def test_open_store_hands_the_config_down(tmp_path, monkeypatch) -> None:
+    from scd_store.store import build
+    from scd_store.store.registry import FileRegistry
+
+    seen = {}
+    monkeypatch.setattr(build, "TieredStore", lambda tiers, registry, **kwargs: seen.update(kwargs))
+    cfg = StoreConfig(tiers=(TierConfig("cpu", max_bytes="1MiB"),), repair_s=0, stats_flush_s=3.0,
+                      registry_refresh_s=0, op_timeout_s=1.5)
+    build.open_store(cfg, registry=FileRegistry(tmp_path / "registry.json"), share_stats=False)
+    assert (seen["repair_s"], seen["stats_flush_s"], seen["registry_refresh_s"]) == (0, 3.0, 0)
+    assert (seen["op_timeout_s"], seen["queue_size"], seen["writers"]) == (1.5, [256], [2])
+
+
+@pytest.mark.parametrize("text, value", [("on", True), ("1", True), ("No", False), ("false", False)])
+def test_boolean_variables_follow_the_one_rule(text, value) -> None:
+    assert load_config(env={"SCD_STORE_TIERS": "cpu", "SCD_STORE_ALLOW_UNSIGNED": text}).allow_unsigned is value
+
+
+def test_bad_variables_name_themselves() -> None:
+    with pytest.raises(ConfigError, match="SCD_STORE_REQUIRE_SIGNED must be true or false"):
+        load_config(env={"SCD_STORE_TIERS": "cpu", "SCD_STORE_REQUIRE_SIGNED": "maybe"})
+    with pytest.raises(ConfigError, match="SCD_STORE_CHUNK_SIZE"):
+        load_config(env={"SCD_STORE_TIERS": "cpu", "SCD_STORE_CHUNK_SIZE": "lots"})
+    with pytest.raises(ConfigError, match="SCD_STORE_REDIS_TTL_S"):
+        load_config(env={"SCD_STORE_TIERS": "cpu,redis", "SCD_STORE_REDIS_URL": "redis://h:1/0",
+                         "SCD_STORE_REDIS_TTL_S": "soon"})
+
+
+def test_tier_and_store_booleans_from_yaml_text() -> None:
+    tier = TierConfig("cpu", pinned="yes", fsync="off", publish="0", apply_server_maxmemory=True)
+    assert (tier.pinned, tier.fsync, tier.publish, tier.apply_server_maxmemory) == (True, False, False, True)
+    assert StoreConfig.from_dict({"tiers": [{"kind": "cpu"}], "require_signed": "true"}).require_signed is True
+    with pytest.raises(ConfigError, match="cpu tier: pinned must be true or false"):
+        TierConfig("cpu", pinned="sometimes")
+    with pytest.raises(ConfigError, match="allow_unsigned must be true or false"):
+        StoreConfig(tiers=(TierConfig("cpu"),), allow_unsigned=1)
