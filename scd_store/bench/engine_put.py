@@ -95,6 +95,13 @@ def run_engine_put_bench(config: EnginePutConfig) -> dict[str, Any]:
     """Per-prompt store latencies on the engine's thread with the put queue, then (same engine, same
     run, new prompts) with the encode on the engine's thread; and the time until everything is stored."""
     os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
+    try:  # LMCache takes its cryptographic chunk hash (sha256_cbor) from vLLM
+        import lmcache  # noqa: F401
+        import vllm  # noqa: F401
+    except ModuleNotFoundError as exc:
+        raise ModuleNotFoundError(f"bench engine-put drives a real LMCache engine with vLLM's chunk hash; no "
+                                  f"{exc.name} here: `make vllm`, or pip install 'scd-store[lmcache,vllm]'",
+                                  name=exc.name) from exc
     from lmcache.v1.cache_engine import LMCacheEngineBuilder
     from lmcache.v1.config import LMCacheEngineConfig
     from lmcache.v1.metadata import LMCacheMetadata

@@ -16,7 +16,11 @@ def pareto_points(report: dict) -> list[tuple[str, float, float]]:
 def plot_pareto(reports: list[dict], path: Path) -> Path:
     """One panel per report (consumer): each method and budget a labelled point, the lower-left frontier
     drawn. Writes a PNG and returns its path."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ModuleNotFoundError as exc:
+        raise ModuleNotFoundError("the Pareto plot needs matplotlib: pip install 'scd-store[plots]'",
+                                  name="matplotlib") from exc
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -192,7 +192,11 @@ def run_ttft(config: TtftConfig, progress: bool = True) -> dict[str, Any]:
 
 def plot_ttft(report: dict[str, Any], png: Path) -> None:
     """Speed-up over own prefill vs link bandwidth, one panel per prefix length, one line per method."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ModuleNotFoundError as exc:
+        raise ModuleNotFoundError("the TTFT plot needs matplotlib: pip install 'scd-store[plots]'",
+                                  name="matplotlib") from exc
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

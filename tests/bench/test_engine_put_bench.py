@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
+pytest.importorskip("vllm", reason="LMCache takes its sha256_cbor chunk hash from vLLM (make vllm)")
+
 from scd_store.bench.engine_put import EnginePutConfig, run_engine_put_bench
 
 

@@ -26,7 +26,11 @@ log = logging.getLogger("scd_store.transfer")
 
 
 def _agent(name: str):
-    from nixl._api import nixl_agent, nixl_agent_config
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config
+    except ImportError as exc:
+        raise TransferError("transfer: nixl needs NIXL: pip install 'scd-store[nixl]' (or use transfer: copy / "
+                            f"auto): {exc}") from exc
 
     return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
 
