@@ -94,7 +94,7 @@ class CodeSpace:
             if any(int(self.bits[2 * layer : 2 * layer + 2].sum()) for layer in self.hidden.layers):
                 raise ValueError("K / V groups of patch layers must carry no bits (the consumer regenerates them)")
         extra = f"{self.layout}|{self.sink_tokens}" + (f"|{self.patch_layers}" if self.patch_layers else "")
-        self._fingerprint = tensors_fingerprint(self.tensors(), extra=extra)  # REUSE spaces keep their old ids
+        self._fingerprint = tensors_fingerprint(self.tensors(), extra=extra)  # patch layers only in PATCH spaces' ids
         self._plans = (PackingPlan.of(self.bits), PackingPlan.of(self.hidden.bits) if self.hidden is not None else None)
 
     @classmethod
