@@ -13,6 +13,7 @@ does not load.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import uuid
@@ -28,6 +29,7 @@ from scd_store.adapters.vllm.connector import ScdConnector
 from scd_store.codecs.baselines import RawCodec
 from scd_store.codecs.kv_state import KVState
 from scd_store.codecs.tensor_pack import PayloadError
+from scd_store.store.log_once import Incidents
 from scd_store.store.stats import StoreStats
 
 
@@ -38,7 +40,8 @@ class RawKVDirectory:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.producer = producer
-        self.store = SimpleNamespace(chunk_size=chunk_size, stats=StoreStats())
+        self.chunk_size = chunk_size
+        self.stats = StoreStats()
         self.codec = RawCodec(torch.float16)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raw-kv")
         self._lock = threading.Lock()
@@ -46,6 +49,15 @@ class RawKVDirectory:
 
     def _path(self, chunk_hash: bytes) -> Path:
         return self.directory / f"{chunk_hash.hex()}.kv"
+
+    def count(self, counter: str, n: int = 1, **labels: str) -> None:
+        self.stats.inc(counter, n, **labels)
+
+    def observe(self, op: str, seconds: float, **labels: str) -> None:
+        self.stats.observe(op, seconds, **labels)
+
+    def incidents(self, logger: logging.Logger) -> Incidents:
+        return Incidents(self.stats, logger)
 
     def binding(self, model: str) -> SimpleNamespace:
         return SimpleNamespace(role="producer" if model == self.producer else "consumer")

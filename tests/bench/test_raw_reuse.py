@@ -21,3 +21,17 @@ def test_the_raw_baseline_serves_the_producers_kv_to_any_other_model(tmp_path):
     assert got.num_tokens == 8 and raw.bytes_read > 0
     (tmp_path / "raw" / f"{hashes[0].hex()}.kv").write_bytes(b"garbage")
     assert raw.get("any-fine-tune", hashes) == []  # a bad file is a miss
+
+
+def test_the_raw_baseline_offers_every_service_call_the_vllm_connector_makes(tmp_path):
+    import re
+    from pathlib import Path
+
+    import scd_store.adapters.vllm as vllm_adapter
+
+    called = {name for path in Path(vllm_adapter.__file__).parent.glob("*.py")
+              for name in re.findall(r"\bservice\.([a-z_]+)\b(?!\.)", path.read_text())}
+    called -= {"py", "settings", "hashing", "hash_agreement", "log_once", "kv_service"}  # module names in imports
+    assert {"chunk_size", "contains", "get", "submit_put", "count", "observe", "incidents"} <= called
+    raw = RawKVDirectory(tmp_path / "raw", producer="base", chunk_size=8)
+    assert sorted(name for name in called if not hasattr(raw, name)) == []
