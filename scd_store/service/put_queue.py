@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from scd_store.codecs.kv_state import KVState
 from scd_store.service.defaults import PUT_QUEUE_CHUNKS
+from scd_store.store.log_once import Incidents
 from scd_store.store.stats import StoreStats
 
 log = logging.getLogger("scd_store.service")
@@ -53,6 +54,7 @@ class PutQueue:
         self.max_chunks = max_chunks
         self._run = run
         self._stats = stats
+        self._incidents = Incidents(stats, log)
         self._queue: queue.Queue[PutJob | None] = queue.Queue()
         self._lock = threading.Condition()
         self._queued_chunks = 0
@@ -138,8 +140,9 @@ class PutQueue:
             try:
                 stored = self._run(job)
             except Exception as exc:  # one bad batch must not stop the worker
-                self._stats.inc("failed_puts", job.chunks)
-                log.warning("scd-store: storing %d chunks of %r failed: %s", job.chunks, job.model, exc)
+                self._incidents.count("failed_puts", "scd-store: storing %d chunks of %r failed (counted as "
+                                      "failed_puts; logged once per model and error): %s", job.chunks, job.model,
+                                      exc, n=job.chunks, once=f"failed:{job.model}:{type(exc).__name__}")
             self._finish(job, stored)
 
     def _finish(self, job: PutJob, stored: int, queued: bool = True) -> None:

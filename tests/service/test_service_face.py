@@ -70,4 +70,9 @@ def test_a_hash_count_that_differs_from_the_state_count_is_a_failed_put_not_unco
         assert service.drain(timeout=10)
     assert done == [0] and service.stat("uncodable_chunks") == 0 and service.stat("puts") == 0
     assert service.stat("failed_puts") == 3
-    assert "storing 3 chunks of 'producer-a' failed: 3 hashes for 2 states" in caplog.text
+    assert ("storing 3 chunks of 'producer-a' failed (counted as failed_puts; logged once per model and error): "
+            "3 hashes for 2 states") in caplog.text
+    with caplog.at_level(logging.WARNING, logger="scd_store.service"):
+        assert service.submit_put(PRODUCER, HASHES, lambda: parts[:2], done=done.append)
+        assert service.drain(timeout=10)
+    assert service.stat("failed_puts") == 6 and caplog.text.count("failed (counted as failed_puts") == 1
