@@ -54,9 +54,10 @@ LORA_ENV = "SCD_STORE_ENGINE_SERVES_LORA"  # set by the vLLM connector (LMCacheC
 
 def engine_serves_lora() -> bool:
     """Whether this process's engine serves LoRA adapters: said by scd-store's vLLM connector, or by the vLLM
-    config in force while LMCache builds its backends. A value of the variable that is no flag is refused."""
-    said = os.environ.get("SCD_STORE_ENGINE_SERVES_LORA")
-    if said is not None:
+    config in force while LMCache builds its backends. An empty variable counts as unset; any other value
+    that is no flag is refused."""
+    said = os.environ.get(LORA_ENV, "").strip()
+    if said:
         try:
             if parse_flag(said, LORA_ENV):
                 return True
@@ -68,6 +69,8 @@ def engine_serves_lora() -> bool:
         return False
     config = get_current_vllm_config_or_none()
     return config is not None and getattr(config, "lora_config", None) is not None
+
+
 SETTINGS_PREFIX = "scd."
 
 

@@ -239,7 +239,9 @@ class KVService:
         decoded); 0 for anyone else. For benches that weigh a hit."""
         binding = self.binding(model)
         consumer = self._access.consumer(binding) if binding is not None and binding.role == "consumer" else None
-        return sum(len(chunk.payload) for chunk in consumer.get(hashes)) if consumer is not None else 0
+        if consumer is None:
+            return 0
+        return self._access.call("get", lambda: sum(len(chunk.payload) for chunk in consumer.get(hashes)), 0)
 
     def get(self, model: str, hashes: Sequence[bytes], *, device: torch.device | str = "cpu",
             dtype: torch.dtype = torch.float32, into: Buffers | None = None) -> list[KVState]:

@@ -211,3 +211,34 @@ def test_a_store_call_that_fails_as_a_whole_is_a_miss_never_an_exception_in_the_
     assert service.contains("consumer-a", HASHES) == 0 and service.contains(PRODUCER, HASHES) == 0
     assert service.get("consumer-a", HASHES) == []
     assert store.stats.value("store_errors") == 3
+
+
+def test_a_registry_lookup_that_fails_is_a_miss_counted_as_a_store_error(store, bundle, monkeypatch):
+    """The registry unreachable on the engine's first lookup (a Redis registry down, a file unreadable) is not
+    ``NotRegistered``: it must still be a miss, not an exception in the engine's thread."""
+    service = KVService(store, [bundle])
+    _, parts = chunks()
+    service.put(PRODUCER, HASHES, parts)
+    store.forget_registry_cache()
+
+    def registry_down(*args, **kwargs):
+        raise ConnectionError("registry unreachable")
+
+    monkeypatch.setattr(store.registry_cache, "pair", registry_down)
+    monkeypatch.setattr(store.registry_cache, "space", registry_down)
+    assert service.contains("consumer-a", HASHES) == 0 and service.get("consumer-a", HASHES) == []
+    assert service.contains(PRODUCER, HASHES) == 0 and service.stored_bytes("consumer-a", HASHES) == 0
+    assert store.stats.value("store_errors") == 4 and store.stats.value("revoked_requests") == 0
+
+
+def test_stored_bytes_is_zero_when_the_store_call_fails(store, bundle, monkeypatch):
+    service = KVService(store, [bundle])
+    _, parts = chunks()
+    service.put(PRODUCER, HASHES, parts)
+    assert service.stored_bytes("consumer-a", HASHES) > 0
+
+    def walk_past_its_deadline(*args, **kwargs):
+        raise TimeoutError("the store's loop did not answer")
+
+    monkeypatch.setattr(store.read, "get", walk_past_its_deadline)
+    assert service.stored_bytes("consumer-a", HASHES) == 0 and store.stats.value("store_errors") == 1

@@ -145,4 +145,12 @@ def test_tier_and_store_booleans_from_yaml_text() -> None:
     with pytest.raises(ConfigError, match="cpu tier: pinned must be true or false"):
         TierConfig("cpu", pinned="sometimes")
     with pytest.raises(ConfigError, match="allow_unsigned must be true or false"):
-        StoreConfig(tiers=(TierConfig("cpu"),), allow_unsigned=1)
+        StoreConfig(tiers=(TierConfig("cpu"),), allow_unsigned=2)
+
+
+def test_yaml_integers_zero_and_one_are_booleans(tmp_path) -> None:
+    path = tmp_path / "store.yaml"
+    path.write_text("store:\n  require_signed: 1\n  tiers:\n    - {kind: cpu, pinned: 0}\n"
+                    "    - {kind: disk, path: /tmp/x, fsync: 1}\n")
+    cfg = load_config(path, env={})
+    assert cfg.require_signed is True and cfg.tiers[0].pinned is False and cfg.tiers[1].fsync is True

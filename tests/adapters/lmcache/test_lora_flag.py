@@ -17,7 +17,7 @@ def test_a_true_flag_says_the_engine_serves_adapters(monkeypatch, value):
     assert engine_serves_lora()
 
 
-@pytest.mark.parametrize("value", ["0", "false", "off"])
+@pytest.mark.parametrize("value", ["0", "false", "off", "", "  "])
 def test_a_false_flag_leaves_it_to_the_engine_config(monkeypatch, value):
     monkeypatch.setenv("SCD_STORE_ENGINE_SERVES_LORA", value)
     assert not engine_serves_lora()  # no vLLM config in force here
