@@ -19,8 +19,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from scd_store.store.blob import Blob, BlobError, ForeignBlob, SignatureError, UnknownKey
 from scd_store.store.guard import TierGuard
@@ -140,9 +141,12 @@ class ReadPath:
                                        t.contains_many_now(b))
             pending = _mark(ti, pending, held, where)
         if pending and self._first_remote < len(self.tiers):
-            self.loop.run(self._where_remote(pending, keys, where),
-                          timeout=self.guard.deadline(self.tiers[self._first_remote:]) + 5.0)
+            self._run_remote(self._where_remote(pending, keys, where))
         return where
+
+    def _run_remote(self, walk: Coroutine[Any, Any, None]) -> None:
+        """The remote half of a walk on the store's loop, bounded by the remote tiers' deadline."""
+        self.loop.run(walk, timeout=self.guard.deadline(self.tiers[self._first_remote:]) + 5.0)
 
     async def _where_remote(self, pending: list[int], keys: list[str], where: list[int | None]) -> None:
         for ti in range(self._first_remote, len(self.tiers)):
@@ -170,8 +174,7 @@ class ReadPath:
                 with contextlib.suppress(Exception):
                     tier.delete_now(key)
         if pending and self._first_remote < len(self.tiers):
-            self.loop.run(self._found_remote(pending, keys, found, space),
-                          timeout=self.guard.deadline(self.tiers[self._first_remote:]) + 5.0)
+            self._run_remote(self._found_remote(pending, keys, found, space))
         return found
 
     async def _found_remote(self, pending: list[int], keys: list[str], found: list[_Found | None],
