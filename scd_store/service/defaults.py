@@ -8,3 +8,4 @@ GET_DEADLINE_S = 5.0  # how long a consumer's get may decode before it returns w
 DISCOVERY_INTERVAL_S = 2.0  # how often unbound models are looked up in the registry (0: never)
 MAX_POSITIONS = 32768  # the engine's context length when it does not say
 MODEL_TAG = "scd_model"  # LMCache: the request tag naming the adapter a request reads as
+DECODE_DEVICE = "cpu"  # LMCache / SGLang: where codes are decoded before the engine copies the KV in

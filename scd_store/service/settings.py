@@ -27,11 +27,14 @@ below, its default taken from :mod:`scd_store.service.defaults`:
   engines that may only read the registry (records are then written by ``scd-store register``, and
   only what the registry holds as the bundles have it is bound);
 - ``max_positions``: the engine's context length; stored chunks reaching past it are refused before
-  anything is allocated for them.
+  anything is allocated for them;
+- ``decode_device`` (LMCache, SGLang): where a consumer's codes are decoded into KV before the engine's
+  own copy takes them (``cpu``, the default, or ``cuda`` / ``cuda:N``); the vLLM connector always decodes
+  on its cache's device.
 
 Booleans follow :func:`scd_store.flags.parse_flag`. The fields marked as :class:`KVService` keywords
-reach it through :meth:`EngineSettings.service_kwargs`; ``serves_adapters`` and ``model_tag`` stay with
-the adapter. A stored chunk's absolute position always comes from the engine (LMCache:
+reach it through :meth:`EngineSettings.service_kwargs`; ``serves_adapters``, ``model_tag`` and
+``decode_device`` stay with the adapter. A stored chunk's absolute position always comes from the engine (LMCache:
 ``MemoryObj.metadata.cached_positions``; SGLang: ``prefix_keys``); a chunk without one is not
 stored and is counted (``unpositioned_chunks``). Engines in one process whose settings have the same
 :meth:`EngineSettings.shared_key` share one store and service (:mod:`scd_store.service.shared`).
@@ -39,6 +42,7 @@ stored and is counted (``unpositioned_chunks``). Engines in one process whose se
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -104,6 +108,16 @@ def _as_given(value: Any, name: str) -> Any:
     return value
 
 
+_DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+
+
+def _device(value: Any, name: str) -> str:
+    text = str(value).strip().lower() if isinstance(value, str) else value
+    if not isinstance(text, str) or not _DEVICE.match(text):
+        raise SettingsError(f"{name} must be cpu, cuda or cuda:N, got {value!r}")
+    return text
+
+
 def _key(read: Callable[[Any, str], Any], *, default: Any, role: str = "") -> Any:
     """A field: its default, how :meth:`EngineSettings.from_mapping` reads its value, and its ``role``
     (``"service"``: a :class:`KVService` keyword; ``"adapter"``: the engine adapter's alone)."""
@@ -125,6 +139,7 @@ class EngineSettings:
     discovery_interval_s: float = _key(_number, default=defaults.DISCOVERY_INTERVAL_S, role="service")
     register_bundles: bool = _key(_bool, default=True, role="service")
     max_positions: int = _key(_int, default=defaults.MAX_POSITIONS, role="service")
+    decode_device: str = _key(_device, default=defaults.DECODE_DEVICE, role="adapter")
 
     def __post_init__(self) -> None:
         for bundle in self.bundles:
@@ -146,6 +161,7 @@ class EngineSettings:
             raise SettingsError(f"models must be a list of model names, got {self.models!r}")
         if isinstance(self.max_positions, bool) or not isinstance(self.max_positions, int) or self.max_positions <= 0:
             raise SettingsError(f"max_positions must be a positive int, got {self.max_positions!r}")
+        _device(self.decode_device, "decode_device")
         if not self.discovery_interval_s >= 0:
             raise SettingsError(f"discovery_interval_s must be >= 0, got {self.discovery_interval_s!r}")
 

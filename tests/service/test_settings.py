@@ -99,3 +99,13 @@ def test_engines_differing_only_in_adapter_keys_share_a_key():
     assert plain != tagged and hash(plain.shared_key()) == hash(tagged.shared_key())
     assert plain.shared_key() == tagged.shared_key() == plain
     assert EngineSettings.from_mapping({"models": "b"}).shared_key() != plain.shared_key()
+
+
+def test_decode_device_is_cpu_or_cuda_and_stays_with_the_adapter():
+    assert EngineSettings().decode_device == "cpu"
+    assert EngineSettings.from_mapping({"decode_device": " CUDA:1 "}).decode_device == "cuda:1"
+    settings = EngineSettings.from_mapping({"decode_device": "cuda"})
+    assert "decode_device" not in settings.service_kwargs() and settings.shared_key() == EngineSettings()
+    for bad in ("gpu", "cuda:x", "mps", 0):
+        with pytest.raises(SettingsError, match="decode_device must be cpu, cuda or cuda:N"):
+            EngineSettings.from_mapping({"decode_device": bad})
