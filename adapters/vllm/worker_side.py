@@ -1,14 +1,16 @@
 """The connector's worker half, :class:`WorkerSide`: decode hits into the request's blocks, hand producers'
 chunks over.
 
-Loads run before the step's forward (``start_load_kv``): the consumer's codes are decoded
-(:meth:`KVService.get` into fresh ``[layers, kv_heads, chunk, head_dim]`` buffers) and written into
-its blocks with the attention backend's own cache op. Tokens of chunks that could not be decoded
-are reported as failed blocks, so vLLM recomputes them (the connector sets
-``kv_load_failure_policy: recompute``). Saves run after the forward (``wait_for_save``): the
-engine's thread copies the producer's new chunks' blocks as they lie (a block copy, so the blocks
-may be reused at once); un-packing them through the layout map, encoding and storing run on
-scd-store's put worker, off the engine's thread. Chunks stored again because the store had lost them
+Loads run before the step's forward (``start_load_kv``): the consumer's codes are decoded on the
+cache's device (:meth:`KVService.get` into fresh ``[layers, kv_heads, chunk, head_dim]`` buffers
+there) and written into its blocks with the attention backend's own cache op. Tokens of chunks that
+could not be decoded, for whatever reason, are reported as failed blocks, so vLLM recomputes them
+(the connector sets ``kv_load_failure_policy: recompute``); a load never fails the step. Saves run
+after the forward (``wait_for_save``): the engine's thread gathers the producer's new chunks' blocks
+as they lie (a block copy, so the blocks may be reused at once) and, on a GPU, starts their copy to
+pinned host memory without waiting for it (:mod:`~scd_store.adapters.vllm.host_copy`); un-packing
+them through the layout map, encoding and storing run on scd-store's put worker, off the engine's
+thread. Chunks stored again because the store had lost them
 (a save's ``refill``) are counted as ``refilled_chunks`` once stored.
 """
 
@@ -22,6 +24,8 @@ from typing import Any
 
 import torch
 
+from scd_store.adapters.vllm.engine_check import check_layers
+from scd_store.adapters.vllm.host_copy import to_host
 from scd_store.adapters.vllm.paged_layout import BlockMap, LayoutError, layer_maps, read_tokens, write_tokens
 from scd_store.adapters.vllm.plan import ChunkLoad, ChunkSave, StepPlan
 from scd_store.codecs.kv_state import KVState
@@ -59,10 +63,11 @@ class WorkerSide:
         self.names = layer_order(list(kv_caches))
         self.caches = [kv_caches[name] for name in self.names]
         self.layers = [layers[name] for name in self.names]
+        check_layers(self.names, self.layers, self.caches)
         for name, cache in zip(self.names, self.caches, strict=True):
             if cache.dim() != 4:
                 raise LayoutError(f"KV cache {name!r} has shape {tuple(cache.shape)}: scd-store's vLLM connector "
-                                  "reads vLLM-CPU's [blocks, kv_heads, block_size, 2*head_dim] layout")
+                                  "reads vLLM's [blocks, kv_heads, block_size, 2*head_dim] cache views")
 
     def maps(self) -> list[BlockMap]:
         """Each layer's gather map (derived from the backend's op on first use)."""
@@ -82,9 +87,10 @@ class WorkerSide:
             started = time.perf_counter()
             try:
                 loaded = self._load_one(load)
-            except (LayoutError, ValueError) as exc:
-                self._once.warn(f"load:{load.model}", "scd-store: cannot load %r's codes into vLLM's cache "
-                                "(recomputed; logged once): %s", load.model, exc)
+            except Exception as exc:  # noqa: BLE001 - a load that fails is recomputed, never a failed step
+                self._once.warn(f"load:{load.model}:{type(exc).__name__}", "scd-store: cannot load %r's codes into "
+                                "vLLM's cache (recomputed; logged once per error): %s: %s", load.model,
+                                type(exc).__name__, exc)
                 loaded = 0
             end = len(load.hashes) * load.chunk_size
             if loaded < end:
@@ -96,18 +102,19 @@ class WorkerSide:
         wholly below ``first_token`` (in the engine's own prefix cache) are neither fetched nor decoded."""
         _, heads, _, width = self.caches[0].shape
         shape = (len(self.caches), heads, load.chunk_size, width // 2)
-        dtype = self.caches[0].dtype
+        dtype, device = self.caches[0].dtype, self.caches[0].device
         skipped = load.first_token // load.chunk_size
         buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def into(i: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
             if tokens != load.chunk_size:
                 return None
-            buffers.append((torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)))
+            buffers.append((torch.empty(shape, dtype=dtype, device=device),
+                            torch.empty(shape, dtype=dtype, device=device)))
             return buffers[-1]
 
         states = self.service.get(load.model, load.hashes[skipped:], into=into)
-        slots = torch.tensor(load.slots, dtype=torch.int64)
+        slots = torch.tensor(load.slots, dtype=torch.int64).to(device)
         for i, (keys, values) in enumerate(buffers[:len(states)]):
             start = (skipped + i) * load.chunk_size
             first = max(start, load.first_token)
@@ -136,15 +143,19 @@ class WorkerSide:
             self.service.observe("vllm_save_copy", time.perf_counter() - started)
 
     def _save_one(self, save: ChunkSave) -> None:
-        """The engine's thread copies the chunks' whole blocks as they lie (one ``index_select`` per layer);
-        the put worker un-packs them through the layer maps and encodes."""
-        block = self.caches[0].shape[2]
-        copied: list[tuple[list[torch.Tensor], int]] = []
-        for start, slots in zip(save.starts, save.slots, strict=True):
-            index = torch.tensor(whole_blocks(slots, block), dtype=torch.int64, device=self.caches[0].device)
-            copied.append(([cache.index_select(0, index) for cache in self.caches], start))
+        """The engine's thread copies the chunks' whole blocks as they lie (one ``index_select`` per layer,
+        then, on a GPU, a non-blocking copy to pinned host memory); the put worker waits for that copy,
+        un-packs the blocks through the layer maps and encodes."""
+        block, layers = self.caches[0].shape[2], len(self.caches)
+        gathered: list[torch.Tensor] = []
+        for slots in save.slots:
+            index = torch.tensor(whole_blocks(slots, block), dtype=torch.int64).to(self.caches[0].device)
+            gathered.extend(cache.index_select(0, index) for cache in self.caches)
+        host = to_host(gathered)
+        copied = [(host.tensors[i * layers:(i + 1) * layers], start) for i, start in enumerate(save.starts)]
 
         def states() -> list[KVState] | None:  # on scd-store's put worker
+            host.wait()
             try:
                 maps = self.maps()
             except LayoutError as exc:
@@ -161,7 +172,7 @@ class WorkerSide:
             return out
 
         done = self._refilled(save.model) if save.refill else None
-        self.service.submit_put(save.model, save.hashes, states, done=done)
+        self.service.submit_put(save.model, save.hashes, states, done=done, nbytes=host.nbytes)
 
     def _refilled(self, model: str) -> Callable[[int], None]:
         """Counts a refill's stored chunks (``refilled_chunks``, by space) once the put worker has stored them."""

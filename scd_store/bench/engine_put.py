@@ -77,7 +77,8 @@ def inline_submit_put(service: Any) -> Any:
     """A ``submit_put`` that builds, encodes and stores on the caller's thread (the path without the
     put queue), for the bench's baseline."""
 
-    def submit_put(model: str, hashes: Any, states: Any, *, release: Any = None, done: Any = None) -> bool:
+    def submit_put(model: str, hashes: Any, states: Any, *, release: Any = None, done: Any = None,
+                   nbytes: int = 0) -> bool:
         try:
             built = states()
             stored = service.put(model, hashes, built) if built is not None else 0

@@ -28,7 +28,7 @@ from scd_store.codecs.kv_state import KVState
 from scd_store.service.bindings import Binding, Bindings
 from scd_store.service.bundles import bind_bundle
 from scd_store.service.decode_loop import Buffers, DecodeLoop
-from scd_store.service.defaults import DISCOVERY_INTERVAL_S, MAX_POSITIONS, PUT_QUEUE_CHUNKS
+from scd_store.service.defaults import DISCOVERY_INTERVAL_S, MAX_POSITIONS, PUT_QUEUE_BYTES, PUT_QUEUE_CHUNKS
 from scd_store.service.discovery import PairDiscovery
 from scd_store.service.hash_agreement import HashAgreement, HashCanary
 from scd_store.service.hashing import chunk_hashes
@@ -46,24 +46,24 @@ log = logging.getLogger("scd_store.service")
 class KVService:
     """Producer puts and consumer gets by engine chunk hash, over one :class:`TieredStore`.
 
-    ``bundles`` are calibration bundle directories. ``aliases`` maps an engine's model name (e.g.
-    a served-model name or checkpoint path) to the name the bundle knows the model by.
-    ``replace_registrations`` lets the bundles overwrite different registry records (for a registry
-    the caller owns, e.g. the demo's). Engines hand puts over with :meth:`submit_put` (at most
-    ``put_queue_chunks`` queued, off their thread); a get stops decoding once ``get_deadline_s``
-    has passed (the chunks decoded so far are the hit; None: no deadline). ``models``: load only these
-    models' decoders from ``bundles`` (default: every pair's). A model asked for without a binding is
-    looked up in the registry every ``discovery_interval_s`` (0: never) and bound once a pair or space
-    names it (``scd-store register``; :mod:`scd_store.service.discovery`). ``register_bundles=False``
-    (least privilege: engines that may only read the registry) binds only what the registry already
-    holds as the bundles have it. A space or pair revoked in the registry is a miss from the store's
-    next registry refresh on (``revoked_requests``). ``max_positions``: the engine's context length; a
+    ``bundles`` are calibration bundle directories. ``aliases`` maps an engine's model name (e.g. a served-model
+    name or checkpoint path) to the name the bundle knows the model by. ``replace_registrations`` lets the
+    bundles overwrite different registry records (for a registry the caller owns, e.g. the demo's). Engines hand
+    puts over with :meth:`submit_put` (at most ``put_queue_chunks`` chunks and ``put_queue_bytes`` bytes queued,
+    off their thread); a get stops decoding once ``get_deadline_s`` has passed (the chunks decoded so far are
+    the hit; None: no deadline). ``models``: load only these models' decoders from ``bundles`` (default: every
+    pair's). A model asked for without a binding is looked up in the registry every ``discovery_interval_s`` (0:
+    never) and bound once a pair or space names it (``scd-store register``; :mod:`scd_store.service.discovery`).
+    ``register_bundles=False`` (least privilege: engines that may only read the registry) binds only what the
+    registry already holds as the bundles have it. A space or pair revoked in the registry is a miss from the
+    store's next registry refresh on (``revoked_requests``). ``max_positions``: the engine's context length; a
     stored chunk reaching past it is refused before anything is allocated for it.
     """
 
     def __init__(self, store: TieredStore, bundles: Sequence[str | Path], *,
                  aliases: Mapping[str, str] | None = None, replace_registrations: bool = False,
-                 put_queue_chunks: int = PUT_QUEUE_CHUNKS, get_deadline_s: float | None = None,
+                 put_queue_chunks: int = PUT_QUEUE_CHUNKS, put_queue_bytes: int = PUT_QUEUE_BYTES,
+                 get_deadline_s: float | None = None,
                  models: Sequence[str] | None = None, discovery_interval_s: float = DISCOVERY_INTERVAL_S,
                  register_bundles: bool = True, max_positions: int = MAX_POSITIONS) -> None:
         if get_deadline_s is not None and get_deadline_s <= 0:
@@ -80,7 +80,8 @@ class KVService:
         self._access = StoreAccess(store, self._incidents)
         self._writer = PutPath(self._access, store.stats, self._incidents, self._producer_binding)
         self._decoder = DecodeLoop(store.stats, self._incidents, get_deadline_s)
-        self.puts = PutQueue(self._writer.run, store.stats, max_chunks=put_queue_chunks)
+        self.puts = PutQueue(self._writer.run, store.stats, max_chunks=put_queue_chunks,
+                             max_bytes=put_queue_bytes)
         self.hashing = HashAgreement(store.registry, store.stats)
         self.discovery = PairDiscovery(store.registry, self.bindings, store.stats, discovery_interval_s)
 
@@ -179,11 +180,13 @@ class KVService:
 
     # ----------------------------------------------------------------- operations
     def submit_put(self, model: str, hashes: Sequence[bytes], states: Callable[[], Sequence[KVState] | None], *,
-                   release: Callable[[], None] | None = None, done: Callable[[int], None] | None = None) -> bool:
+                   release: Callable[[], None] | None = None, done: Callable[[int], None] | None = None,
+                   nbytes: int = 0) -> bool:
         """Hand a producer's chunks over without waiting: ``states()`` runs on the put worker (None: store
-        nothing), then ``release()`` and ``done(chunks stored)``. False (and ``release()`` at once) when
-        ``model`` is no producer or the queue is full (``dropped_puts``)."""
-        job = PutJob(model, list(hashes), states, release or (lambda: None), done)
+        nothing), then ``release()`` and ``done(chunks stored)``; ``nbytes``: the memory the job holds until
+        then. False (and ``release()`` at once) when ``model`` is no producer or the queue is full
+        (``dropped_puts``)."""
+        job = PutJob(model, list(hashes), states, release or (lambda: None), done, nbytes)
         if self._producer_binding(model, len(hashes)) is None:
             job.release()
             return False

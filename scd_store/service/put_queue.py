@@ -2,7 +2,8 @@
 
 An engine thread hands over a :class:`PutJob` and returns at once. One worker thread builds the
 job's states (so even the conversion from the engine's layout runs off the engine's thread),
-encodes and stores them. The queue is bounded in chunks: a job that does not fit is dropped,
+encodes and stores them. The queue is bounded in chunks and in bytes (the engine's KV a job holds:
+on a GPU engine, pinned host memory): a job that does not fit is dropped,
 released at once and counted (``dropped_puts``); the engine's own cache still has the KV, so a
 drop costs a later consumer a miss, never a wrong answer.
 """
@@ -17,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from scd_store.codecs.kv_state import KVState
-from scd_store.service.defaults import PUT_QUEUE_CHUNKS
+from scd_store.service.defaults import PUT_QUEUE_BYTES, PUT_QUEUE_CHUNKS
 from scd_store.store.log_once import Incidents
 from scd_store.store.stats import StoreStats
 
@@ -31,13 +32,15 @@ def _nothing() -> None:
 @dataclass(slots=True)
 class PutJob:
     """One batch of a producer's chunks: ``states()`` builds them on the worker (None: nothing to
-    store), ``release()`` gives the engine's memory back, ``done(stored)`` reports the outcome."""
+    store), ``release()`` gives the engine's memory back, ``done(stored)`` reports the outcome;
+    ``nbytes``: the memory the job holds until it has run (its copies of the engine's KV)."""
 
     model: str
     hashes: Sequence[bytes]
     states: Callable[[], Sequence[KVState] | None]
     release: Callable[[], None] = field(default=_nothing)
     done: Callable[[int], None] | None = None
+    nbytes: int = 0
 
     @property
     def chunks(self) -> int:
@@ -45,19 +48,24 @@ class PutJob:
 
 
 class PutQueue:
-    """A bounded queue of :class:`PutJob` and the worker thread that runs them with ``run(job) -> stored``."""
+    """A queue of :class:`PutJob` bounded in chunks and bytes, and the worker thread that runs them with
+    ``run(job) -> stored``."""
 
     def __init__(self, run: Callable[[PutJob], int], stats: StoreStats, *, max_chunks: int = PUT_QUEUE_CHUNKS,
-                 name: str = "scd-store-put") -> None:
+                 max_bytes: int = PUT_QUEUE_BYTES, name: str = "scd-store-put") -> None:
         if max_chunks <= 0:
             raise ValueError(f"max_chunks must be positive, got {max_chunks}")
+        if max_bytes <= 0:
+            raise ValueError(f"max_bytes must be positive, got {max_bytes}")
         self.max_chunks = max_chunks
+        self.max_bytes = max_bytes
         self._run = run
         self._stats = stats
         self._incidents = Incidents(stats, log)
         self._queue: queue.Queue[PutJob | None] = queue.Queue()
         self._lock = threading.Condition()
         self._queued_chunks = 0
+        self._queued_bytes = 0
         self._pending: dict[bytes, int] = {}  # hash -> jobs holding it (queued or running)
         self._dropping = False
         self._closed = False
@@ -66,11 +74,14 @@ class PutQueue:
         self._thread.start()
 
     def submit(self, job: PutJob) -> bool:
-        """Queue ``job`` if its chunks fit; otherwise release it, count it and return False. Never blocks."""
+        """Queue ``job`` if its chunks and bytes fit; otherwise release it, count it and return False. Never
+        blocks."""
         with self._lock:
-            fits = not self._closed and self._queued_chunks + job.chunks <= self.max_chunks
+            fits = not self._closed and self._queued_chunks + job.chunks <= self.max_chunks \
+                and self._queued_bytes + job.nbytes <= self.max_bytes
             if fits:
                 self._queued_chunks += job.chunks
+                self._queued_bytes += job.nbytes
                 for h in job.hashes:
                     self._pending[h] = self._pending.get(h, 0) + 1
                 if self._dropping:
@@ -88,8 +99,8 @@ class PutQueue:
             first = not self._dropping
             self._dropping = True
         if first:
-            log.warning("scd-store: the put queue is full (%d chunks) or closed; dropping puts until it has room "
-                        "(counted as dropped_puts)", self.max_chunks)
+            log.warning("scd-store: the put queue is full (%d chunks, %d bytes) or closed; dropping puts until it "
+                        "has room (counted as dropped_puts)", self.max_chunks, self.max_bytes)
         self._finish(job, 0, queued=False)
 
     def pending(self, chunk_hash: bytes) -> bool:
@@ -100,6 +111,10 @@ class PutQueue:
     def queued_chunks(self) -> int:
         with self._lock:
             return self._queued_chunks
+
+    def queued_bytes(self) -> int:
+        with self._lock:
+            return self._queued_bytes
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every queued job has run; False when ``timeout`` passed first."""
@@ -158,6 +173,7 @@ class PutQueue:
         with self._lock:
             if queued:
                 self._queued_chunks -= job.chunks
+                self._queued_bytes -= job.nbytes
                 for h in job.hashes:
                     left = self._pending.get(h, 0) - 1
                     if left > 0:

@@ -9,7 +9,8 @@ below, its default taken from :mod:`scd_store.service.defaults`:
 - ``store_config``: an scd-store YAML, the store's branch of the tree
   (:class:`~scd_store.store.config.StoreConfig`; default: ``$SCD_STORE_CONFIG`` or the embedded CPU + disk);
 - ``aliases``: ``{engine model name: bundle model name}``;
-- ``put_queue_chunks``: chunks a producer may have waiting to be encoded (more are dropped and
+- ``put_queue_chunks`` / ``put_queue_bytes``: chunks, and bytes of the engine's KV they hold (pinned
+  host memory on a GPU engine), a producer may have waiting to be encoded (more are dropped and
   counted, the engine never waits);
 - ``get_deadline_s``: how long a consumer's get may take before it returns what it has decoded;
 - ``serves_adapters``: the engine also serves LoRA adapters of its model (default false; SGLang
@@ -51,6 +52,7 @@ from typing import Any
 from scd_store.errors import ScdStoreError
 from scd_store.flags import parse_flag
 from scd_store.service import defaults
+from scd_store.store.config import parse_bytes
 
 
 class SettingsError(ScdStoreError, ValueError):
@@ -88,6 +90,14 @@ def _int(value: Any, name: str) -> int:
         return int(value)
     except (TypeError, ValueError) as exc:
         raise SettingsError(f"{name} must be an int, got {value!r}") from exc
+
+
+def _size(value: Any, name: str) -> int:
+    """An int, or a size in text (``512MiB``, ``2GB``; :func:`scd_store.store.config.parse_bytes`)."""
+    try:
+        return parse_bytes(value)
+    except (TypeError, ValueError) as exc:
+        raise SettingsError(f"{name} must be a size in bytes (e.g. 2GiB), got {value!r}") from exc
 
 
 def _number(value: Any, name: str) -> float:
@@ -132,6 +142,7 @@ class EngineSettings:
     store_config: str | None = _key(_as_given, default=None)
     aliases: tuple[tuple[str, str], ...] = _key(_aliases, default=(), role="service")
     put_queue_chunks: int = _key(_int, default=defaults.PUT_QUEUE_CHUNKS, role="service")
+    put_queue_bytes: int = _key(_size, default=defaults.PUT_QUEUE_BYTES, role="service")
     get_deadline_s: float = _key(_number, default=defaults.GET_DEADLINE_S, role="service")
     serves_adapters: bool = _key(_bool, default=False, role="adapter")
     model_tag: str = _key(_as_given, default=defaults.MODEL_TAG, role="adapter")
@@ -150,6 +161,9 @@ class EngineSettings:
         if isinstance(self.put_queue_chunks, bool) or not isinstance(self.put_queue_chunks, int) \
                 or self.put_queue_chunks <= 0:
             raise SettingsError(f"put_queue_chunks must be a positive int, got {self.put_queue_chunks!r}")
+        if isinstance(self.put_queue_bytes, bool) or not isinstance(self.put_queue_bytes, int) \
+                or self.put_queue_bytes <= 0:
+            raise SettingsError(f"put_queue_bytes must be a positive size, got {self.put_queue_bytes!r}")
         if not self.get_deadline_s > 0:
             raise SettingsError(f"get_deadline_s must be positive, got {self.get_deadline_s!r}")
         for name in ("serves_adapters", "register_bundles"):

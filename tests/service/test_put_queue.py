@@ -76,3 +76,21 @@ def test_close_drops_what_it_cannot_store_in_time():
 def test_the_queue_needs_room():
     with pytest.raises(ValueError, match="max_chunks"):
         PutQueue(lambda j: 0, StoreStats(), max_chunks=0)
+
+
+def test_the_queue_is_bounded_in_bytes_too():
+    """A GPU engine's put holds pinned host copies of its KV: chunks of a large model must not pile up
+    gigabytes, whatever the chunk bound says."""
+    gate, log = threading.Event(), []
+    stats = StoreStats()
+    queue = PutQueue(lambda j: (gate.wait(10), j.chunks)[1], stats, max_chunks=100, max_bytes=1000)
+    assert queue.submit(job(1, 1, log, nbytes=600)) and queue.queued_bytes() == 600
+    assert not queue.submit(job(2, 1, log, nbytes=500))  # 600 + 500 > 1000: dropped, released, counted
+    assert ("release", 2) in log and stats.value("dropped_puts") == 1
+    assert queue.submit(job(3, 1, log, nbytes=400))
+    gate.set()
+    assert queue.drain(timeout=10) and queue.queued_bytes() == 0
+    assert queue.submit(job(4, 1, log, nbytes=1000))
+    queue.close(timeout=5)
+    with pytest.raises(ValueError, match="max_bytes"):
+        PutQueue(lambda j: 0, stats, max_bytes=0)

@@ -109,3 +109,13 @@ def test_decode_device_is_cpu_or_cuda_and_stays_with_the_adapter():
     for bad in ("gpu", "cuda:x", "mps", 0):
         with pytest.raises(SettingsError, match="decode_device must be cpu, cuda or cuda:N"):
             EngineSettings.from_mapping({"decode_device": bad})
+
+
+def test_put_queue_bytes_reads_sizes_and_reaches_the_service():
+    assert EngineSettings().put_queue_bytes == 2 << 30
+    settings = EngineSettings.from_mapping({"put_queue_bytes": "512MiB"})
+    assert settings.put_queue_bytes == 512 << 20 and settings.service_kwargs()["put_queue_bytes"] == 512 << 20
+    for bad in ("lots", 0, -5, True):
+        with pytest.raises(SettingsError, match="put_queue_bytes must be a positive size|put_queue_bytes must be a "
+                                                "size"):
+            EngineSettings.from_mapping({"put_queue_bytes": bad})

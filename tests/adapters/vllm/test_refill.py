@@ -190,7 +190,7 @@ def test_stored_refills_are_counted_by_space():
     stats = StoreStats()
     submitted = []
 
-    def submit_put(model, hashes, states, done=None):
+    def submit_put(model, hashes, states, done=None, nbytes=0):
         submitted.append(done)
         if done is not None:
             done(len(hashes))

@@ -1,0 +1,55 @@
+"""What the vLLM connector serves, refused at start with the reason otherwise: :func:`check_engine` (the
+engine's config) and :func:`check_layers` (the attention layers and caches the worker registers).
+
+Served: vLLM-CPU and CUDA (FlashAttention, FlashInfer, Triton attention), bf16 / fp16 / fp32 caches in
+any ``KVCacheLayout``, tensor and pipeline parallel size 1. Refused: MLA (its latent cache is not a
+model's K and V), quantised caches (fp8, nvfp4, ...: decoded codes would be rounded into a format
+the consumer's decoder was not distilled for), KV-sharing layers (one cache, two layers' K and V),
+other devices and backends, and tensor or pipeline parallelism (a code space covers all KV heads and
+layers of the model).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from scd_store.service import SettingsError
+
+DEVICES = ("cpu", "cuda")
+BACKENDS = ("CPU_ATTN", "FLASH_ATTN", "FLASHINFER", "TRITON_ATTN")
+CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+def check_engine(vllm_config: Any) -> None:
+    """Refuse engines whose KV the connector cannot read and write exactly (a clear error at start)."""
+    device = vllm_config.device_config.device_type
+    if device not in DEVICES:
+        raise SettingsError(f"scd-store's vLLM connector serves vLLM on {' or '.join(DEVICES)}; this server runs "
+                            f"on {device!r}")
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+        raise SettingsError("scd-store's vLLM connector needs tensor and pipeline parallel size 1: a code space "
+                            "covers all KV heads and layers of the model")
+    if getattr(vllm_config.model_config, "use_mla", False):
+        raise SettingsError("scd-store's vLLM connector does not serve MLA models: their latent cache is not the "
+                            "per-head K and V a code space rebuilds")
+    cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
+    if cache_dtype not in CACHE_DTYPES:
+        raise SettingsError(f"scd-store's vLLM connector needs an unquantised KV cache (--kv-cache-dtype auto, "
+                            f"bfloat16 or float16); this server caches in {cache_dtype!r}")
+
+
+def check_layers(names: list[str], layers: list[Any], caches: list[Any]) -> None:
+    """Refuse attention layers the connector cannot move KV of: another backend, a layer that shares
+    another's cache (the same tensor twice, or ``kv_sharing_target_layer_name``)."""
+    seen: dict[int, str] = {}
+    for name, layer, cache in zip(names, layers, caches, strict=True):
+        backend = getattr(getattr(layer, "attn_backend", None), "get_name", lambda: None)()
+        if backend is not None and backend not in BACKENDS:
+            raise SettingsError(f"scd-store's vLLM connector serves the {', '.join(BACKENDS)} attention backends; "
+                                f"layer {name!r} runs {backend!r}")
+        shared = getattr(layer, "kv_sharing_target_layer_name", None)
+        if shared is not None or id(cache) in seen:
+            raise SettingsError(f"scd-store's vLLM connector does not serve KV-sharing layers: {name!r} shares the "
+                                f"cache of {shared or seen[id(cache)]!r}")
+        seen[id(cache)] = name

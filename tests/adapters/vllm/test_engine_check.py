@@ -1,0 +1,56 @@
+"""Engines the vLLM connector cannot move KV of exactly are refused at start, with the reason."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="the vLLM stack is installed by `make test`")
+
+from scd_store.adapters.vllm.engine_check import check_engine, check_layers  # noqa: E402
+from scd_store.service import SettingsError  # noqa: E402
+
+
+def config(device="cpu", tp=1, pp=1, mla=False, cache_dtype="auto"):
+    return SimpleNamespace(device_config=SimpleNamespace(device_type=device),
+                           parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+                           model_config=SimpleNamespace(use_mla=mla),
+                           cache_config=SimpleNamespace(cache_dtype=cache_dtype))
+
+
+def test_cpu_and_cuda_engines_with_unquantised_caches_are_served():
+    for device in ("cpu", "cuda"):
+        for dtype in ("auto", "bfloat16", "float16"):
+            check_engine(config(device, cache_dtype=dtype))
+
+
+@pytest.mark.parametrize("kwargs,match", [({"device": "xpu"}, "'xpu'"), ({"tp": 2}, "parallel"),
+                                          ({"pp": 2}, "parallel"), ({"mla": True}, "MLA"),
+                                          ({"cache_dtype": "fp8"}, "unquantised.*'fp8'"),
+                                          ({"cache_dtype": "fp8_e5m2"}, "fp8_e5m2"),
+                                          ({"cache_dtype": "nvfp4"}, "nvfp4")])
+def test_what_it_cannot_serve_is_refused_with_the_reason(kwargs, match):
+    with pytest.raises(SettingsError, match=match):
+        check_engine(config(**kwargs))
+
+
+def _layer(backend="FLASH_ATTN", shares=None):
+    return SimpleNamespace(attn_backend=SimpleNamespace(get_name=lambda: backend), kv_sharing_target_layer_name=shares)
+
+
+def test_layers_of_other_backends_or_sharing_a_cache_are_refused():
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
+
+    a, b = torch.zeros(2, 2, 16, 8), torch.zeros(2, 2, 16, 8)
+    for backend in (CPUAttentionBackend, FlashAttentionBackend, TritonAttentionBackend):  # vLLM's own names
+        check_layers(["l.0.", "l.1."], [_layer(backend.get_name())] * 2, [a, b])
+    with pytest.raises(SettingsError, match="'FLEX_ATTENTION'"):
+        check_layers(["l.0."], [_layer("FLEX_ATTENTION")], [a])
+    with pytest.raises(SettingsError, match="KV-sharing.*'l.0.'"):
+        check_layers(["l.0.", "l.1."], [_layer(), _layer(shares="l.0.")], [a, b])
+    with pytest.raises(SettingsError, match="KV-sharing.*'l.0.'"):  # the runner aliases a shared layer's tensor
+        check_layers(["l.0.", "l.1."], [_layer(), _layer()], [a, a])
