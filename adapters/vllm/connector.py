@@ -114,7 +114,7 @@ class ScdConnector(KVConnectorBase_V1):
         if lora is not None and lora.lora_name not in self._checked:
             self._checked.add(lora.lora_name)
             self.check_hashing(lora.lora_name)
-        return self._scheduler.matched_tokens(request, num_computed_tokens), False
+        return self._scheduler.match(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._scheduler is not None
@@ -154,12 +154,20 @@ class ScdConnector(KVConnectorBase_V1):
             if plan.saves:
                 self._worker.save(plan)
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """No asynchronous saves; the requests whose asynchronous loads are done (their failed blocks are in
+        this step's :meth:`get_block_ids_with_load_errors`, which vLLM asks for right after)."""
+        done = self._worker.finished_loads() if self._worker is not None else set()
+        return None, done or None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.failed_blocks() if self._worker is not None else set()
 
     def shutdown(self) -> None:
         if self._scheduler is not None:
             self._scheduler.close()
+        if self._worker is not None:
+            self._worker.close()
         service, self.service = self.service, None
         if service is not None:
             self._close_service(service)

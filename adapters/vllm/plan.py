@@ -22,7 +22,8 @@ def slots_of(block_ids: list[int], block_size: int, first: int, last: int) -> li
 @dataclass(slots=True)
 class ChunkLoad:
     """A consumer request's hit: decode ``hashes`` (chunks ``0 .. n-1`` of its prompt) and write their
-    tokens ``first_token ..`` (those the engine has not computed itself) into the request's blocks."""
+    tokens ``first_token ..`` (those the engine has not computed itself) into the request's blocks;
+    ``asynchronous``: between steps, on the fetch thread (chunks only a remote tier holds)."""
 
     req_id: str
     model: str
@@ -31,6 +32,7 @@ class ChunkLoad:
     first_token: int
     block_ids: list[int]
     block_size: int
+    asynchronous: bool = False
 
     def __post_init__(self) -> None:
         end = len(self.hashes) * self.chunk_size

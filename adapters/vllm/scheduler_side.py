@@ -71,13 +71,14 @@ class SchedulerSide:
     """Matched tokens, load plans and save plans, one step at a time."""
 
     def __init__(self, service: KVService, served_model: str, block_size: int,
-                 skip_param: str = "scd_skip_load", refill: Refill | None = None) -> None:
+                 skip_param: str = "scd_skip_load", refill: Refill | None = None, async_loads: bool = True) -> None:
         self.service = service
         self.skip_param = skip_param
         self.served_model = served_model
         self.block_size = block_size
         self.chunk_size = service.chunk_size
-        self._hits: dict[str, tuple[str, list[bytes]]] = {}
+        self.async_loads = async_loads
+        self._hits: dict[str, tuple[str, list[bytes], bool]] = {}
         self._loads: list[ChunkLoad] = []
         self._lookups: list[tuple[str, int]] = []
         self._producing: dict[str, _Producing] = {}
@@ -112,38 +113,44 @@ class SchedulerSide:
 
     # ------------------------------------------------------------ consumer hits
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
-        """Tokens beyond ``num_computed_tokens`` a consumer request can load (0 for anyone else).
+        """Tokens beyond ``num_computed_tokens`` a consumer request can load (0 for anyone else)."""
+        return self.match(request, num_computed_tokens)[0]
+
+    def match(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens beyond ``num_computed_tokens`` a consumer request can load (0 for anyone else), and whether
+        they load asynchronously (some chunk only a remote tier holds; with ``async_loads``).
 
         The last prompt token is always left to the engine (it needs its logits)."""
         model = request_model(request, self.served_model)
         if self._role(model) != "consumer" or skips_load(request, self.skip_param) or self._unkeyable(request):
-            return 0
+            return 0, False
         tokens = list(request.prompt_token_ids or ())
         usable = (len(tokens) - 1) // self.chunk_size
         if usable <= 0:
-            return 0
+            return 0, False
         hashes = chunk_hashes(tokens[:usable * self.chunk_size], self.chunk_size)
         if request.request_id not in self._counted:  # asked again while it waits for blocks: one lookup
             self._counted.add(request.request_id)
             self._lookups.append((model, usable * self.chunk_size))
-        found = self.service.contains(model, hashes)
-        matched = found * self.chunk_size
+        found = self.service.lookup(model, hashes)
+        matched = found.chunks * self.chunk_size
         if matched <= num_computed_tokens:
             self._hits.pop(request.request_id, None)
-            return 0
-        self._hits[request.request_id] = (model, hashes[:found])
-        return matched - num_computed_tokens
+            return 0, False
+        asynchronous = self.async_loads and found.remote_chunks > 0
+        self._hits[request.request_id] = (model, hashes[:found.chunks], asynchronous)
+        return matched - num_computed_tokens, asynchronous
 
     def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
         """Plan the load of a hit the scheduler accepted (``num_external_tokens`` of it)."""
         hit = self._hits.pop(request.request_id, None)
         if num_external_tokens <= 0 or hit is None:
             return
-        model, hashes = hit
+        model, hashes, asynchronous = hit
         end = len(hashes) * self.chunk_size
         first = end - num_external_tokens
         self._loads.append(ChunkLoad(request.request_id, model, hashes, self.chunk_size, first, list(block_ids),
-                                     self.block_size))
+                                     self.block_size, asynchronous))
 
     # ------------------------------------------------------------ producer saves
     def _start_producing(self, new_req: Any) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from scd_store.adapters.vllm.async_loads import AsyncLoads
 from scd_store.adapters.vllm.engine_check import check_layers
 from scd_store.adapters.vllm.host_copy import to_host
 from scd_store.adapters.vllm.paged_layout import BlockMap, LayoutError, layer_maps, read_tokens, write_tokens
@@ -56,6 +57,7 @@ class WorkerSide:
         self.layers: list[Any] = []
         self._maps: list[BlockMap] | None = None
         self._failed: set[int] = set()
+        self._async: AsyncLoads | None = None
         self._once = LogOnce(log)
 
     def register(self, kv_caches: dict[str, torch.Tensor], layers: dict[str, Any]) -> None:
@@ -81,21 +83,46 @@ class WorkerSide:
             self.service.count_requested(model, tokens)
 
     def load(self, plan: StepPlan) -> None:
-        """Every load of the step, on the engine's thread before its forward (``vllm_load`` in the latency
-        histogram: fetch, decode and write)."""
+        """The step's loads: synchronous ones on the engine's thread before its forward, asynchronous ones
+        (hits held remotely) handed to the fetch thread (``vllm_load`` in the latency histogram: fetch,
+        decode and write)."""
         for load in plan.loads:
-            started = time.perf_counter()
-            try:
-                loaded = self._load_one(load)
-            except Exception as exc:  # noqa: BLE001 - a load that fails is recomputed, never a failed step
-                self._once.warn(f"load:{load.model}:{type(exc).__name__}", "scd-store: cannot load %r's codes into "
-                                "vLLM's cache (recomputed; logged once per error): %s: %s", load.model,
-                                type(exc).__name__, exc)
-                loaded = 0
-            end = len(load.hashes) * load.chunk_size
-            if loaded < end:
-                self._failed |= load.blocks_from(loaded)
-            self.service.observe("vllm_load", time.perf_counter() - started)
+            if load.asynchronous:
+                self._fetcher().submit(load)
+            else:
+                self._failed |= self._load_and_time(load)
+
+    def _load_and_time(self, load: ChunkLoad) -> set[int]:
+        """Load one hit; returns the blocks it could not fill (recomputed by vLLM). Timed as ``vllm_load``
+        (on the engine's thread) or ``vllm_async_load`` (on the fetch thread)."""
+        started = time.perf_counter()
+        try:
+            loaded = self._load_one(load)
+        except Exception as exc:  # noqa: BLE001 - a load that fails is recomputed, never a failed step
+            self._once.warn(f"load:{load.model}:{type(exc).__name__}", "scd-store: cannot load %r's codes into "
+                            "vLLM's cache (recomputed; logged once per error): %s: %s", load.model,
+                            type(exc).__name__, exc)
+            loaded = 0
+        self.service.observe("vllm_async_load" if load.asynchronous else "vllm_load", time.perf_counter() - started)
+        return load.blocks_from(loaded) if loaded < len(load.hashes) * load.chunk_size else set()
+
+    def _fetcher(self) -> AsyncLoads:
+        if self._async is None:
+            self._async = AsyncLoads(self._load_and_time, self.caches[0].device if self.caches else None)
+        return self._async
+
+    def finished_loads(self) -> set[str]:
+        """Requests whose asynchronous loads completed since the last call; the blocks they could not fill
+        are reported by the next :meth:`failed_blocks` (vLLM asks for both in the same step)."""
+        if self._async is None:
+            return set()
+        done, failed = self._async.finished()
+        self._failed |= failed
+        return done
+
+    def close(self) -> None:
+        if self._async is not None:
+            self._async.close()
 
     def _load_one(self, load: ChunkLoad) -> int:
         """Decode and write one request's hit; returns the tokens of the prompt now in its blocks. Chunks

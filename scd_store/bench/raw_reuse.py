@@ -29,6 +29,7 @@ from scd_store.adapters.vllm.connector import ScdConnector
 from scd_store.codecs.baselines import RawCodec
 from scd_store.codecs.kv_state import KVState
 from scd_store.codecs.tensor_pack import PayloadError
+from scd_store.service.results import Lookup
 from scd_store.store.log_once import Incidents
 from scd_store.store.stats import StoreStats
 
@@ -78,6 +79,10 @@ class RawKVDirectory:
                 break
             count += 1
         return count
+
+    def lookup(self, model: str, hashes: Sequence[bytes], tokens: int | None = None) -> Lookup:
+        """:meth:`contains`; a local directory holds nothing remote."""
+        return Lookup(self.contains(model, hashes, tokens), 0)
 
     def readable_by_others(self, model: str, hashes: Sequence[bytes]) -> int:
         """The directory is every process's (the producer's refill asks this)."""

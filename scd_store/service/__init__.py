@@ -10,6 +10,7 @@ Engine adapters import nothing from :mod:`scd_store.store` (an import-linter con
 from scd_store.service.bindings import Binding, ServiceError, pair_id_for
 from scd_store.service.kv_service import Buffers, KVService
 from scd_store.service.put_path import UncodableChunks
+from scd_store.service.results import Lookup
 from scd_store.service.settings import EngineSettings, SettingsError
 from scd_store.service.shared import acquire_service, release_service
 
@@ -18,6 +19,7 @@ __all__ = [
     "Buffers",
     "EngineSettings",
     "KVService",
+    "Lookup",
     "ServiceError",
     "SettingsError",
     "UncodableChunks",

@@ -34,9 +34,11 @@ from scd_store.service.hash_agreement import HashAgreement, HashCanary
 from scd_store.service.hashing import chunk_hashes
 from scd_store.service.put_path import PutPath
 from scd_store.service.put_queue import PutJob, PutQueue
+from scd_store.service.results import Lookup
 from scd_store.service.store_access import StoreAccess
 from scd_store.store.log_once import Incidents
 from scd_store.store.tiered import TieredStore
+from scd_store.store.views import ConsumerView, ProducerView
 
 __all__ = ["Buffers", "KVService"]
 
@@ -204,18 +206,27 @@ class KVService:
 
         ``tokens``, the tokens the hashes cover as the engine counts them, is a consumer's request:
         it is counted as ``requested_tokens`` (the denominator of the hit rate)."""
+        return self.lookup(model, hashes, tokens).chunks
+
+    def lookup(self, model: str, hashes: Sequence[bytes], tokens: int | None = None) -> Lookup:
+        """:meth:`contains`, and how many of those chunks only a remote tier holds (an engine that can load
+        asynchronously loads those off its step)."""
         binding = self.binding(model)
         if binding is None:
-            return 0
+            return Lookup(0, 0)
+        view: ProducerView | ConsumerView | None
         if binding.role == "producer":
-            producer = self._access.producer(binding)
-            return self._access.call("contains", lambda: producer.contains(hashes), 0) if producer is not None else 0
-        if not self.hashing.ok(binding):
-            return 0
-        if tokens:
-            self.count_requested(model, tokens)
-        consumer = self._access.consumer(binding)
-        return self._access.call("contains", lambda: consumer.contains(hashes), 0) if consumer is not None else 0
+            view = self._access.producer(binding)
+        else:
+            if not self.hashing.ok(binding):
+                return Lookup(0, 0)
+            if tokens:
+                self.count_requested(model, tokens)
+            view = self._access.consumer(binding)
+        if view is None:
+            return Lookup(0, 0)
+        hit = self._access.call("contains", lambda: view.lookup(hashes), None)
+        return Lookup(hit.hit_chunks, hit.remote_chunks) if hit is not None else Lookup(0, 0)
 
     def readable_by_others(self, model: str, hashes: Sequence[bytes]) -> int:
         """For a producer: chunks of the leading run of ``hashes`` the tiers other processes read (Redis, peers)

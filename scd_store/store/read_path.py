@@ -75,10 +75,11 @@ class ReadPath:
         where = self._where(keys)
         run = leading_run(where)
         tiers = tuple(self.tiers[ti].name for ti in where[:run] if ti is not None)
+        remote = sum(1 for ti in where[:run] if ti is not None and ti >= self._first_remote)
         self.stats.inc("lookups", space=space.space_id, pair=pair)
         self.stats.inc("miss_chunks", len(keys) - run, space=space.space_id, pair=pair)
         self.stats.observe("lookup", time.perf_counter() - t0)
-        return PrefixHit(run, len(keys), tiers)
+        return PrefixHit(run, len(keys), tiers, remote)
 
     def readable_by_others(self, space: Space, keys: list[str]) -> int:
         """The leading run of ``keys`` present in a tier other processes read (Redis, peers), presence only and

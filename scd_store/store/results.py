@@ -22,8 +22,10 @@ class CodeChunk:
 
 @dataclass(frozen=True, slots=True)
 class PrefixHit:
-    """A lookup's answer: the leading run of chunks present, and which tier holds each of them."""
+    """A lookup's answer: the leading run of chunks present, which tier holds each of them, and how many of
+    them only a remote tier (Redis, a peer) holds (a get of those waits on the network)."""
 
     hit_chunks: int
     total_chunks: int
     tiers: tuple[str, ...]
+    remote_chunks: int = 0
