@@ -14,6 +14,12 @@ a registered consumer's prefetch of the same keys gets the codes decoded into it
 into its host pool. Positions come from ``extra_info.prefix_keys`` (the pages before the call's
 keys), which SGLang passes only with ``hicache_storage_pass_prefix_keys: true``: without it the
 backend refuses to start. Unknown models and producers reading their own pages miss (their L3 is raw).
+
+``decode_device`` (``"scd"`` key; default ``cpu``) says where a consumer's codes are decoded: on the CPU in
+SGLang's prefetch thread, or on a CUDA device, page by page on a stream of that thread's own, synchronised
+before the pages are copied into the host pool (:mod:`~scd_store.adapters.sglang.device`). A host pool that does not
+hold plain float KV (SGLang's fp8, mxfp8 and fp4 KV caches) is refused when SGLang registers it
+(:mod:`~scd_store.adapters.sglang.pool_check`).
 """
 
 from __future__ import annotations
@@ -24,8 +30,10 @@ from typing import Any
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
+from scd_store.adapters.sglang.device import DeviceDecode, device_decode
 from scd_store.adapters.sglang.hashing import sglang_canary
-from scd_store.adapters.sglang.pages import LAYOUTS, flat_page, page_hash_bytes, read_page, write_page
+from scd_store.adapters.sglang.pages import page_hash_bytes, read_page
+from scd_store.adapters.sglang.pool_check import check_host_pool
 from scd_store.codecs.kv_state import KVState
 from scd_store.service import EngineSettings, SettingsError, acquire_service, release_service
 from scd_store.service.log_once import LogOnce
@@ -81,6 +89,7 @@ class ScdHiCacheStorage(HiCacheStorage):
                                     "without it SGLang gives a backend no page positions, and scd-store codes "
                                     "pages at their true positions only")
             settings = EngineSettings.from_mapping(scd)
+            self.decode: DeviceDecode = device_decode(settings.decode_device)
             # SGLang hands a storage backend no request identity: an adapter's pages cannot be told from the base's
             self.serves_adapters = settings.serves_adapters or engine_serves_lora()
             self.model = storage_config.model_name or ""
@@ -99,16 +108,17 @@ class ScdHiCacheStorage(HiCacheStorage):
 
     # ----------------------------------------------------------------- set-up
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
-        layout = getattr(mem_pool_host, "layout", None)
-        if layout not in LAYOUTS:
-            raise SettingsError(f"host pool layout {layout!r} is not supported (supported: {LAYOUTS})")
-        if self.binding is not None:
-            self._check_geometry(mem_pool_host, self.binding)
-            try:
+        """Check and keep SGLang's host pool. A pool scd-store cannot serve exactly (its layout, a quantised
+        dtype, another geometry or page hashing than the space's) fails SGLang's start (or a runtime attach)
+        with the reason, logged too: a page is never read or written through it."""
+        try:
+            check_host_pool(mem_pool_host)
+            if self.binding is not None:
+                self._check_geometry(mem_pool_host, self.binding)
                 self.service.check_hashing(self.model, sglang_canary(mem_pool_host.page_size))
-            except SettingsError as exc:
-                log.error("scd-store SGLang backend: %s", exc)
-                raise
+        except SettingsError as exc:
+            log.error("scd-store SGLang backend: %s", exc)
+            raise
         self.mem_pool_host = mem_pool_host
 
     @staticmethod
@@ -180,7 +190,8 @@ class ScdHiCacheStorage(HiCacheStorage):
     def _put(self, keys: list[str], states: list[KVState]) -> bool:
         """Hand the pages to the put worker; True when they were queued (stored or not, a later
         ``batch_exists`` says what is there)."""
-        return self.service.submit_put(self.model, [page_hash_bytes(k) for k in keys], lambda: states)
+        nbytes = sum(s.keys.numel() * s.keys.element_size() * 2 for s in states)
+        return self.service.submit_put(self.model, [page_hash_bytes(k) for k in keys], lambda: states, nbytes=nbytes)
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every queued page is stored (or failed); False when ``timeout`` passed first."""
@@ -191,20 +202,23 @@ class ScdHiCacheStorage(HiCacheStorage):
         if self._role() != "consumer" or not keys or not self._pool_ready():
             return [False] * len(keys)
         page = self.mem_pool_host.page_size
-        states = self.service.get(self.model, [page_hash_bytes(k) for k in keys])
-        for i, state in enumerate(states):
-            write_page(self.mem_pool_host, int(host_indices[i * page]), state)
-        return [True] * len(states) + [False] * (len(keys) - len(states))
+        pages = self._decoded_pages(keys)
+        for i, flat in enumerate(pages):
+            self.mem_pool_host.set_from_flat_data_page(int(host_indices[i * page]), flat)
+        return [True] * len(pages) + [False] * (len(keys) - len(pages))
+
+    def _decoded_pages(self, keys: list[str]) -> list[torch.Tensor]:
+        """The consumer's decodes of the leading run of ``keys`` held, as flat host pages in the pool's layout
+        and dtype, decoded on ``decode_device`` and complete when this returns."""
+        return self.decode.read(self.service, self.model, [page_hash_bytes(k) for k in keys], self.mem_pool_host)
 
     # ----------------------------------------------------------------- flat-page interface
     def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
                   ) -> list[torch.Tensor | None]:
         if self._role() != "consumer" or not keys or not self._pool_ready():
             return [None] * len(keys)
-        states = self.service.get(self.model, [page_hash_bytes(k) for k in keys])
         out: list[torch.Tensor | None] = [None] * len(keys)
-        for i, state in enumerate(states):
-            flat = flat_page(state, self.mem_pool_host.layout, self.mem_pool_host.dtype)
+        for i, flat in enumerate(self._decoded_pages(keys)):
             target = target_locations[i] if target_locations is not None else None
             if isinstance(target, torch.Tensor):
                 target.view(-1).copy_(flat)

@@ -1,5 +1,5 @@
 """SGLang host-pool pages to and from scd-store :class:`KVState`, through the pool's own page accessors:
-:func:`read_page`, :func:`write_page`, :func:`flat_page`, :func:`state_from_flat`, and :func:`page_hash_bytes`
+:func:`read_page`, :func:`flat_page`, :func:`state_from_flat`, and :func:`page_hash_bytes`
 for page keys.
 
 ``get_data_page(index, flat=False)`` shapes per host-pool layout (MHA), after the leading K / V axis
@@ -61,7 +61,3 @@ def state_from_flat(flat: torch.Tensor, layout: str, layers: int, heads: int, di
     return KVState(_to_lhtd(page[0], layout).float().contiguous(), _to_lhtd(page[1], layout).float().contiguous(),
                    start=start)
 
-
-def write_page(pool: Any, host_index: int, state: KVState) -> None:
-    """Write ``state`` (one page) into ``pool`` at ``host_index``."""
-    pool.set_from_flat_data_page(host_index, flat_page(state, pool.layout, pool.dtype))
