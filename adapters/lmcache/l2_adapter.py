@@ -14,7 +14,8 @@ producer engine wrote to L1 are encoded off the server's threads (the put queue)
 the server reported for them (:class:`PositionLedger`, from its ``MP_TOKENS`` events; a chunk
 without one is not stored and is counted), and the task completes when they are stored. Lookup
 and load: a registered consumer's keys resolve to the producer's codes, decoded straight into the
-L1 memory objects LMCache hands over. Keys carry LMCache's ``cache_salt`` (a tenant).
+L1 memory objects LMCache hands over (or, with ``decode_device: cuda``, on the GPU and copied in:
+:mod:`scd_store.adapters.lmcache.device_decode`). Keys carry LMCache's ``cache_salt`` (a tenant).
 
 Roles come from the key's ``model_name``, which is the engine's, never a request's: LMCache's
 multiprocess vLLM connector puts the engine's own ``model_config.model`` into every key it sends
@@ -40,8 +41,9 @@ from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.mp_observability.event import EventType
 from lmcache.v1.platform import create_event_notifier
 
+from scd_store.adapters.lmcache.device_decode import decode_target
 from scd_store.adapters.lmcache.hashing import mp_server_canary
-from scd_store.adapters.lmcache.layout import kv_2ltd_views, state_from_kv_2ltd
+from scd_store.adapters.lmcache.layout import state_from_kv_2ltd
 from scd_store.adapters.lmcache.positions import PositionLedger
 from scd_store.service import EngineSettings, SettingsError, acquire_service, release_service
 from scd_store.service.bindings import Binding
@@ -87,6 +89,7 @@ class ScdL2Adapter(L2AdapterInterface):
         super().__init__(0)
         try:
             self.settings = EngineSettings.from_mapping(config or {})
+            self.decode_target = decode_target(self.settings.decode_device)  # a device not here fails now
             self.service = acquire_service(self.settings)
             try:
                 self._check_hashing()
@@ -218,13 +221,14 @@ class ScdL2Adapter(L2AdapterInterface):
             consumer = self._model(keys, "consumer")
             if consumer is not None:
                 model, binding = consumer
-                heads = binding.space.layout.kv_heads
+                with self.decode_target.batch(binding.space.layout.kv_heads) as batch:  # copies land by its end
 
-                def into(i: int, tokens: int) -> Any:
-                    tensor = objects[i].tensor
-                    return kv_2ltd_views(tensor, heads) if tensor is not None and tensor.shape[2] == tokens else None
+                    def into(i: int, tokens: int) -> Any:
+                        tensor = objects[i].tensor
+                        return batch.buffers(tensor) if tensor is not None and tensor.shape[2] == tokens else None
 
-                states = self.service.get(model, [object_hash(k) for k in keys], into=into)
+                    states = self.service.get(model, [object_hash(k) for k in keys], into=into)
+                    batch.land(len(states))
                 if states:
                     bitmap.set_range(0, len(states))
         except Exception as exc:  # a load that fails is a miss

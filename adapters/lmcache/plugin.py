@@ -16,10 +16,12 @@ encoded into its code space at the positions the GPU connector recorded
 (``MemoryObj.metadata.cached_positions``; a chunk without them is not stored and is counted) and
 put under LMCache's chunk hash. Retrieve path: a registered consumer engine asking for the same chunk
 hash (under its own model name) gets the producer's codes decoded into its own KV, straight into a
-``KV_2LTD`` memory object from LMCache's CPU allocator (no copy): an ordinary LMCache hit. Everyone else
+``KV_2LTD`` memory object from LMCache's CPU allocator (no copy; with ``scd.decode_device: cuda`` on the
+GPU, then copied in: :mod:`scd_store.adapters.lmcache.device_decode`): an ordinary LMCache hit. Everyone else
 misses. Who a chunk belongs to comes from the engine (:mod:`scd_store.adapters.lmcache.identity`): a
 request's model tag never makes it a producer's, and salted requests (tagged by
-:class:`~scd_store.adapters.vllm.lmcache_cpu.LMCacheCpuConnector`) are neither stored nor served.
+:class:`~scd_store.adapters.vllm.lmcache_cpu.LMCacheCpuConnector` and ``lmcache_gpu.LMCacheGpuConnector``) are
+neither stored nor served.
 LMCache's async lookup and load hooks (``batched_async_contains``,
 ``batched_get_non_blocking``) run the same calls off its event loop. A bad configuration raises at
 construction (LMCache only logs that, so the error is also logged here with the fix).
@@ -40,9 +42,10 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
+from scd_store.adapters.lmcache.device_decode import decode_target
 from scd_store.adapters.lmcache.hashing import lmcache_canary
 from scd_store.adapters.lmcache.identity import SALT_TAG, ChunkIdentity, batch_identity, key_identity
-from scd_store.adapters.lmcache.layout import chunk_hash_bytes, kv_2ltd_views, state_from_kv_2ltd
+from scd_store.adapters.lmcache.layout import chunk_hash_bytes, state_from_kv_2ltd
 from scd_store.codecs.kv_state import KVState
 from scd_store.flags import parse_flag
 from scd_store.service import EngineSettings, SettingsError, acquire_service, release_service
@@ -84,6 +87,7 @@ class ScdStoragePlugin(StoragePluginInterface):
         try:
             self._check_engine(config, metadata, local_cpu_backend)
             settings = EngineSettings.from_mapping(config.extra_config or {}, prefix=SETTINGS_PREFIX)
+            self.decode_target = decode_target(settings.decode_device)  # a device not here fails now
             self.model_tag = settings.model_tag
             # LMCache keys carry no LoRA id: an engine that serves adapters is one whichever the setting says
             self.serves_adapters = settings.serves_adapters or engine_serves_lora()
@@ -201,7 +205,8 @@ class ScdStoragePlugin(StoragePluginInterface):
         self._incidents.count("unpositioned_chunks", "scd-store: LMCache's GPU connector records no chunk positions "
                               "(MemoryObj.metadata.cached_positions), so chunks of %r cannot be coded at their true "
                               "positions and are not stored (counted as unpositioned_chunks; logged once). Use a "
-                              "connector that records them (embedded: "
+                              "connector that records them (vLLM: scd_store.adapters.vllm.lmcache_gpu."
+                              "LMCacheGpuConnector or lmcache_cpu.LMCacheCpuConnector; embedded: "
                               "scd_store.adapters.lmcache.dense_connector.DenseKVConnector)", model, n=count,
                               once="positions")
 
@@ -271,20 +276,23 @@ class ScdStoragePlugin(StoragePluginInterface):
             return out
         layers, _, _, heads, dim = self.metadata.kv_shape
         allocated: list[MemoryObj] = []
+        batch = self.decode_target.batch(heads)
 
         def chunk_buffers(i: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-            # each chunk decodes straight into its KV_2LTD memory object from LMCache's CPU allocator
+            # each chunk lands in its KV_2LTD memory object from LMCache's CPU allocator (decoded straight
+            # into it, or on decode_device and copied in)
             shape = torch.Size([2, layers, tokens, heads * dim])
             obj = self.local_cpu_backend.allocate(shape, keys[i].dtype, fmt=MemoryFormat.KV_2LTD)
             if obj is None:
                 self._once.warn("alloc", "scd-store: LMCache's CPU allocator is full; retrieved chunks dropped")
                 return None
             allocated.append(obj)
-            return kv_2ltd_views(obj.tensor, heads)
+            return batch.buffers(obj.tensor)
 
         try:
-            states = self.service.get(identity.model, self._hashes(keys, identity),
-                                      into=chunk_buffers)
+            with batch:  # every copy into the memory objects has landed when it closes, failed or not
+                states = self.service.get(identity.model, self._hashes(keys, identity), into=chunk_buffers)
+                batch.land(len(states))
         except BaseException:
             for obj in allocated:  # nothing handed out: the memory goes back before the error does
                 obj.ref_count_down()

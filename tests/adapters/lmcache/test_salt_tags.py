@@ -1,5 +1,6 @@
-"""vLLM's cache_salt on the LMCache route: LMCacheCpuConnector tags a salted request's LMCache configs
-before LMCache reads them (its own reader, on vLLM's own request objects); a client's tag is never trusted."""
+"""vLLM's cache_salt on the LMCache route: LMCacheCpuConnector and LMCacheGpuConnector tag a salted request's
+LMCache configs before LMCache reads them (its own reader, on vLLM's own request objects); a client's tag is
+never trusted."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from vllm.v1.core.sched.output import NewRequestData  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
 from scd_store.adapters.vllm.lmcache_cpu import SALT_CONFIG, LMCacheCpuConnector, salt_tag, tag_cache_salt  # noqa: E402
+from scd_store.adapters.vllm.lmcache_gpu import LMCacheGpuConnector  # noqa: E402
 
 
 def request(salt: str | None = None, transfer: dict | None = None) -> Request:
@@ -62,8 +64,9 @@ class Recorder:
         self.seen.append(("alloc", lmcache_configs(req.sampling_params)))
 
 
-def test_the_connector_tags_before_lmcaches_lookup_and_its_request_tracker_read_the_configs():
-    connector = object.__new__(LMCacheCpuConnector)  # the scheduler-side hooks only
+@pytest.mark.parametrize("connector_class", [LMCacheCpuConnector, LMCacheGpuConnector])
+def test_the_connector_tags_before_lmcaches_lookup_and_its_request_tracker_read_the_configs(connector_class):
+    connector = object.__new__(connector_class)  # the scheduler-side hooks only
     connector._lmcache_engine = recorder = Recorder()
     salted = request("tenant-secret", {SALT_CONFIG: "forged"})
     assert connector.get_num_new_matched_tokens(salted, 0) == (0, False)
