@@ -18,6 +18,10 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 timeout 180 python3 -m pytest -q -p no:cacheprovider tests/codecs tests/adapters/transformers/test_runner.py \
   tests/store/test_gpu_tier.py tests/bench/test_decode_bench.py -k "cuda or gpu or graph or tensor_payload" 2>&1 \
   | tee "$OUT/pytest.log" | tail -15
+# the engines' GPU hand-offs that need no engine build: vLLM's pinned save copy, SGLang's and LMCache's decode_device
+timeout 120 python3 -m pytest -q -p no:cacheprovider -rs tests/adapters/vllm/test_host_copy.py \
+  tests/adapters/sglang/test_reads_cuda.py tests/adapters/lmcache/test_device_decode.py 2>&1 \
+  | tee "$OUT/pytest_engines.log" | tail -15
 for dtype in float32 bfloat16; do
   timeout 150 python3 -m scd_store.cli.main bench decode --device cuda --dtype $dtype --prefix-tokens 448 2048 8192 \
     --repeats 20 --json "$OUT/decode_cuda_$dtype.json" 2>&1 | tail -25

@@ -21,7 +21,8 @@ from scd_store.store.log_once import Incidents
 from scd_store.store.stats import StoreStats
 from scd_store.store.views import CodeChunk
 
-# an engine's (keys, values) buffers for chunk i of n tokens, or None: see KVService.get
+# an engine's (keys, values) buffers for chunk i of n tokens, or None: see KVService.get; into(i) is called only
+# once chunk i - 1 has been decoded into its buffers (a caller may reuse one buffer for every chunk)
 Buffers = Callable[[int, int], tuple[torch.Tensor, torch.Tensor] | None]
 
 log = logging.getLogger("scd_store.service")
