@@ -86,6 +86,7 @@ class SchedulerSide:
         # what the tiers other processes read hold (the producer's own copies do not count), on the refill's thread
         self.refill = refill if refill is not None else Refill(service.readable_by_others)
         self._counted: set[str] = set()
+        self._planned: set[str] = set()  # requests whose load was planned: offered no second one
         self._unkeyed: set[str] = set()
         self._requests: dict[str, Any] = {}  # vLLM's Request objects (what a step's new-request data leaves out)
         self._incidents = service.incidents(log)
@@ -120,10 +121,14 @@ class SchedulerSide:
         """Tokens beyond ``num_computed_tokens`` a consumer request can load (0 for anyone else), and whether
         they load asynchronously (some chunk only a remote tier holds; with ``async_loads``).
 
-        The last prompt token is always left to the engine (it needs its logits)."""
+        The last prompt token is always left to the engine (it needs its logits). A request is offered one
+        load: asked again once its load was planned (the load failed, or vLLM preempted it), it computes
+        its prompt itself, so a tier that answers lookups but not gets cannot make vLLM retry forever."""
         model = request_model(request, self.served_model)
         if self._role(model) != "consumer" or skips_load(request, self.skip_param) or self._unkeyable(request):
             return 0, False
+        if request.request_id in self._planned:  # asked again after its load: it failed or was preempted
+            return 0, False  # computed by the engine (one load per request: never a retry storm)
         tokens = list(request.prompt_token_ids or ())
         usable = (len(tokens) - 1) // self.chunk_size
         if usable <= 0:
@@ -147,6 +152,7 @@ class SchedulerSide:
         if num_external_tokens <= 0 or hit is None:
             return
         model, hashes, asynchronous = hit
+        self._planned.add(request.request_id)
         end = len(hashes) * self.chunk_size
         first = end - num_external_tokens
         self._loads.append(ChunkLoad(request.request_id, model, hashes, self.chunk_size, first, list(block_ids),
@@ -238,6 +244,7 @@ class SchedulerSide:
         self._hits.pop(request.request_id, None)
         self._requests.pop(request.request_id, None)
         self._counted.discard(request.request_id)
+        self._planned.discard(request.request_id)
         self._unkeyed.discard(request.request_id)
 
     def close(self) -> None:

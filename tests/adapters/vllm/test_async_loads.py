@@ -111,3 +111,16 @@ def test_the_worker_reports_finished_loads_and_their_failed_blocks_in_the_same_s
         time.sleep(0.01)
     assert done == {"a"} and worker.failed_blocks() == set(remote.block_ids)
     worker.close()
+
+
+def test_a_request_whose_load_was_planned_is_not_offered_another():
+    """A tier that answers lookups but fails gets (a timeout on a slow link) made vLLM reschedule the
+    request after each failed load and the connector offer the same hit again, forever: one load per
+    request, then the engine computes it."""
+    side = _side(Lookup(3, 1))
+    assert side.match(request("r"), 0) == (3 * CHUNK, True)
+    assert side.match(request("r"), 0) == (3 * CHUNK, True)  # asked again while it waits for blocks: same offer
+    side.after_alloc(request("r"), list(range(8)), 3 * CHUNK)
+    assert side.match(request("r"), 0) == (0, False)  # the load failed and vLLM rescheduled it
+    side.finished(request("r"))
+    assert side.match(request("r"), 0) == (3 * CHUNK, True)  # a new request of that id starts afresh
