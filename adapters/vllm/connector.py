@@ -62,6 +62,7 @@ class ScdConnector(KVConnectorBase_V1):
     """scd-store's codes as vLLM's external KV cache: the scheduler half plans, the worker half moves KV."""
 
     skip_param = "scd_skip_load"  # kv_transfer_params key a request sets to compute its prompt itself
+    async_loads = False  # set from the settings (async_loads) when the service opens
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
@@ -85,15 +86,17 @@ class ScdConnector(KVConnectorBase_V1):
             self._close_service(self.service)
             raise
         self._checked = {self.served_model}
-        self._scheduler = SchedulerSide(self.service, self.served_model, block_size, self.skip_param) \
-            if role == KVConnectorRole.SCHEDULER else None
+        self._scheduler = SchedulerSide(self.service, self.served_model, block_size, self.skip_param,
+                                        async_loads=self.async_loads) if role == KVConnectorRole.SCHEDULER else None
         self._worker = WorkerSide(self.service) if role == KVConnectorRole.WORKER else None
         log.info("scd-store vLLM connector (%s) for %r: models %s", role.name.lower(), self.served_model,
                  self.service.models())
 
     def _open_service(self, extra_config: dict[str, Any]) -> Any:
         """The service the connector serves from: the process's shared :class:`KVService` for its settings."""
-        return acquire_service(EngineSettings.from_mapping({"max_positions": self.max_positions, **extra_config}))
+        settings = EngineSettings.from_mapping({"max_positions": self.max_positions, **extra_config})
+        self.async_loads = settings.async_loads
+        return acquire_service(settings)
 
     def _close_service(self, service: Any) -> None:
         release_service(service)

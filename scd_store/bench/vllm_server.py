@@ -170,7 +170,7 @@ class VllmServer:
         """A streamed greedy completion, timed at this client (first token, and the whole answer)."""
         request = self._completion(model, prompt, max_tokens, kv_params, stream=True)
         started = time.perf_counter()
-        first, text, tokens = None, [], []
+        first, text, tokens, times = None, [], [], []
         with urllib.request.urlopen(request, timeout=timeout) as r:
             for raw in r:
                 line = raw.decode().strip()
@@ -178,12 +178,15 @@ class VllmServer:
                     continue
                 choice = json.loads(line[6:])["choices"][0]
                 delta = list(choice.get("token_ids") or ())
+                now = time.perf_counter()
                 if first is None and (delta or choice.get("text")):
-                    first = time.perf_counter() - started
+                    first = now - started
+                if delta or choice.get("text"):
+                    times.append(now)
                 text.append(choice.get("text", ""))
                 tokens += delta
         total = time.perf_counter() - started
-        return Streamed(first if first is not None else total, total, "".join(text), tokens)
+        return Streamed(first if first is not None else total, total, "".join(text), tokens, times)
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,7 +197,7 @@ class Streamed:
     total_s: float
     text: str
     token_ids: list[int]
-
+    arrivals: list[float] = field(default_factory=list)  # time.perf_counter() of each streamed piece
 
 def choice_tokens(response: dict) -> tuple[list[int], list[float]]:
     """Generated token ids and their log-probabilities from a ``complete`` response."""

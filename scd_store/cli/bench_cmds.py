@@ -55,22 +55,45 @@ def catalog_consumers() -> tuple[str, ...]:
     return tuple(catalog.CONSUMERS)
 
 
+def _demo_bundle(given: str | None) -> str:
+    """``given``, or the demo's quick bundle (calibrated once, then cached)."""
+    if given:
+        return given
+    from rich.console import Console
+
+    from scd_store.adapters.transformers import load_model
+    from scd_store.cli.demo.run import DemoConfig, demo_bundle
+    from scd_store.models import catalog
+
+    producer = load_model(catalog.PRODUCER)
+    consumers = [load_model(name) for name in catalog.CONSUMERS]
+    return str(demo_bundle(DemoConfig(), producer, consumers, Console(stderr=True)))
+
+
+def bench_async_load(args: argparse.Namespace) -> int:
+    import json
+
+    from scd_store.bench.async_load import AsyncLoadConfig, run_async_load
+
+    try:
+        config = AsyncLoadConfig(_demo_bundle(args.bundle), args.consumer, args.prefix_tokens, args.probes,
+                                 args.background, args.background_tokens, args.link_latency_ms, args.link_mbps)
+    except ValueError as exc:
+        print(f"bench async-load: {exc}", file=sys.stderr)
+        return 2
+    report = json.dumps(run_async_load(config, args.root), indent=1)
+    if args.json:
+        args.json.write_text(report + "\n")
+    print(report)
+    return 0
+
+
 def bench_serve(args: argparse.Namespace) -> int:
     import json
 
     from scd_store.bench.serve import ServeConfig, run_serve
 
-    bundle = args.bundle
-    if not bundle:
-        from rich.console import Console
-
-        from scd_store.adapters.transformers import load_model
-        from scd_store.cli.demo.run import DemoConfig, demo_bundle
-        from scd_store.models import catalog
-
-        producer = load_model(catalog.PRODUCER)
-        consumers = [load_model(name) for name in catalog.CONSUMERS]
-        bundle = str(demo_bundle(DemoConfig(), producer, consumers, Console(stderr=True)))
+    bundle = _demo_bundle(args.bundle)
     try:
         config = ServeConfig(bundle, args.consumer, tuple(args.prefix_tokens), tuple(args.concurrency), args.waves,
                              args.suffix_tokens, args.new_tokens, args.root, agreement_windows=args.agreement_windows,
@@ -181,6 +204,20 @@ def add_bench_parsers(bench: Any) -> None:
                        help="the fine-tunes whose answers are compared (their pairs must be in the bundle)")
     serve.add_argument("--json", type=Path)
     serve.set_defaults(func=bench_serve)
+
+    slow = bench.add_parser("async-load", help="measured: the other requests' inter-token latency while a consumer's "
+                            "codes come over a slow link to Redis, with async_loads on and off (real vLLM server)")
+    slow.add_argument("--bundle", help="calibration bundle (default: the demo's quick one, calibrated once)")
+    slow.add_argument("--consumer", default="smollm2-135m-shakespeare")
+    slow.add_argument("--prefix-tokens", type=int, default=2048, help="the stored prefix of each probe request")
+    slow.add_argument("--probes", type=int, default=3, help="consumer requests whose prefix only Redis holds")
+    slow.add_argument("--background", type=int, default=3, help="requests decoding meanwhile (no stored prefix)")
+    slow.add_argument("--background-tokens", type=int, default=160)
+    slow.add_argument("--link-latency-ms", type=float, default=2.0, help="the shaped link's round trip (set)")
+    slow.add_argument("--link-mbps", type=float, default=4.0, help="the shaped link's megabytes per second (set)")
+    slow.add_argument("--root", help="Redis data, keys, stores and logs (default: a temporary directory)")
+    slow.add_argument("--json", type=Path)
+    slow.set_defaults(func=bench_async_load)
 
     sizes = bench.add_parser("decoder-sizes", help="a consumer's decoder bytes against its own weights (SmolLM2, "
                              "Llama-3-8B, a multi-head 7B; computed from configs)")

@@ -29,13 +29,16 @@ below, its default taken from :mod:`scd_store.service.defaults`:
   only what the registry holds as the bundles have it is bound);
 - ``max_positions``: the engine's context length; stored chunks reaching past it are refused before
   anything is allocated for them;
+- ``async_loads`` (vLLM): load a consumer hit that only a remote tier holds between steps, off the
+  engine's step (default true; false loads every hit before the step's forward);
 - ``decode_device`` (LMCache, SGLang): where a consumer's codes are decoded into KV before the engine's
   own copy takes them (``cpu``, the default, or ``cuda`` / ``cuda:N``); the vLLM connector always decodes
   on its cache's device.
 
 Booleans follow :func:`scd_store.flags.parse_flag`. The fields marked as :class:`KVService` keywords
-reach it through :meth:`EngineSettings.service_kwargs`; ``serves_adapters``, ``model_tag`` and
-``decode_device`` stay with the adapter. A stored chunk's absolute position always comes from the engine (LMCache:
+reach it through :meth:`EngineSettings.service_kwargs`; ``serves_adapters``, ``model_tag``,
+``decode_device`` and ``async_loads`` stay with the adapter. A stored chunk's absolute position
+always comes from the engine (LMCache:
 ``MemoryObj.metadata.cached_positions``; SGLang: ``prefix_keys``); a chunk without one is not
 stored and is counted (``unpositioned_chunks``). Engines in one process whose settings have the same
 :meth:`EngineSettings.shared_key` share one store and service (:mod:`scd_store.service.shared`).
@@ -151,6 +154,7 @@ class EngineSettings:
     register_bundles: bool = _key(_bool, default=True, role="service")
     max_positions: int = _key(_int, default=defaults.MAX_POSITIONS, role="service")
     decode_device: str = _key(_device, default=defaults.DECODE_DEVICE, role="adapter")
+    async_loads: bool = _key(_bool, default=True, role="adapter")
 
     def __post_init__(self) -> None:
         for bundle in self.bundles:
@@ -166,7 +170,7 @@ class EngineSettings:
             raise SettingsError(f"put_queue_bytes must be a positive size, got {self.put_queue_bytes!r}")
         if not self.get_deadline_s > 0:
             raise SettingsError(f"get_deadline_s must be positive, got {self.get_deadline_s!r}")
-        for name in ("serves_adapters", "register_bundles"):
+        for name in ("serves_adapters", "register_bundles", "async_loads"):
             if not isinstance(getattr(self, name), bool):
                 raise SettingsError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.model_tag, str) or not self.model_tag:

@@ -119,3 +119,10 @@ def test_put_queue_bytes_reads_sizes_and_reaches_the_service():
         with pytest.raises(SettingsError, match="put_queue_bytes must be a positive size|put_queue_bytes must be a "
                                                 "size"):
             EngineSettings.from_mapping({"put_queue_bytes": bad})
+
+
+def test_async_loads_is_on_by_default_and_stays_with_the_adapter():
+    assert EngineSettings().async_loads is True
+    settings = EngineSettings.from_mapping({"async_loads": "false"})
+    assert settings.async_loads is False and "async_loads" not in settings.service_kwargs()
+    assert settings.shared_key() == EngineSettings()
