@@ -83,7 +83,8 @@ class AsyncLoads:
     def _run_on(self, stream: Any, load: ChunkLoad) -> set[int]:
         if stream is None:
             return self._run(load)
-        with torch.cuda.stream(stream):
-            failed = self._run(load)
-        stream.synchronize()  # the blocks hold the KV before the load is reported
-        return failed
+        try:
+            with torch.cuda.stream(stream):
+                return self._run(load)
+        finally:
+            stream.synchronize()  # the blocks hold the KV (or nothing is in flight) before the load is reported

@@ -33,7 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from scd_store.adapters.vllm.engine_check import check_engine
+from scd_store.adapters.vllm.engine_check import check_engine, check_groups
 from scd_store.adapters.vllm.hashing import chain_canary
 from scd_store.adapters.vllm.plan import StepPlan
 from scd_store.adapters.vllm.scheduler_side import SchedulerSide
@@ -68,6 +68,7 @@ class ScdConnector(KVConnectorBase_V1):
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         check_engine(vllm_config)
+        check_groups(kv_cache_config)
         self.served_model = served_model_name(vllm_config)
         block_size = vllm_config.cache_config.block_size
         self.max_positions = int(vllm_config.model_config.max_model_len)  # stored chunks reaching past it: refused
@@ -95,7 +96,8 @@ class ScdConnector(KVConnectorBase_V1):
     def _open_service(self, extra_config: dict[str, Any]) -> Any:
         """The service the connector serves from: the process's shared :class:`KVService` for its settings."""
         settings = EngineSettings.from_mapping({"max_positions": self.max_positions, **extra_config})
-        self.async_loads = settings.async_loads
+        # vLLM holds a finished request's blocks for in-flight writes only on a consumer (kv_both, kv_consumer)
+        self.async_loads = settings.async_loads and self._kv_transfer_config.kv_role != "kv_producer"
         return acquire_service(settings)
 
     def _close_service(self, service: Any) -> None:

@@ -5,8 +5,9 @@ Served: vLLM-CPU and CUDA (FlashAttention, FlashInfer, Triton attention), bf16 /
 any ``KVCacheLayout``, tensor and pipeline parallel size 1. Refused: MLA (its latent cache is not a
 model's K and V), quantised caches (fp8, nvfp4, ...: decoded codes would be rounded into a format
 the consumer's decoder was not distilled for), KV-sharing layers (one cache, two layers' K and V),
-other devices and backends, and tensor or pipeline parallelism (a code space covers all KV heads and
-layers of the model).
+other devices and backends (ROCm is not tested), speculative decoding (draft layers), more than one
+KV cache group or a spec other than full attention (vLLM recovers failed loads only then), and
+tensor or pipeline parallelism (a code space covers all KV heads and layers of the model).
 """
 
 from __future__ import annotations
@@ -37,6 +38,33 @@ def check_engine(vllm_config: Any) -> None:
     if cache_dtype not in CACHE_DTYPES:
         raise SettingsError(f"scd-store's vLLM connector needs an unquantised KV cache (--kv-cache-dtype auto, "
                             f"bfloat16 or float16); this server caches in {cache_dtype!r}")
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        raise SettingsError("scd-store's vLLM connector does not serve speculative decoding: the draft model's "
+                            "KV layers are not the code space's")
+    if device == "cuda" and _rocm():
+        raise SettingsError("scd-store's vLLM connector is not tested on ROCm; this server runs on an AMD GPU")
+
+
+def check_groups(kv_cache_config: Any) -> None:
+    """One KV cache group of full attention (vLLM's invalid-block recovery, which a failed load relies on,
+    serves no more; sliding-window and hybrid models are refused)."""
+    if kv_cache_config is None:
+        return
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", ()) or ())
+    if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
+        kinds = [type(g.kv_cache_spec).__name__ for g in groups]
+        raise SettingsError(f"scd-store's vLLM connector needs one KV cache group of full attention; this model has "
+                            f"{kinds}")
+
+
+def _rocm() -> bool:
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return False
+    return bool(getattr(current_platform, "is_rocm", lambda: False)())
 
 
 def check_layers(names: list[str], layers: list[Any], caches: list[Any]) -> None:
@@ -44,6 +72,9 @@ def check_layers(names: list[str], layers: list[Any], caches: list[Any]) -> None
     another's cache (the same tensor twice, or ``kv_sharing_target_layer_name``)."""
     seen: dict[int, str] = {}
     for name, layer, cache in zip(names, layers, caches, strict=True):
+        if str(cache.dtype).removeprefix("torch.") not in ("bfloat16", "float16", "float32"):
+            raise SettingsError(f"scd-store's vLLM connector needs an unquantised KV cache; layer {name!r} caches in "
+                                f"{cache.dtype}")
         backend = getattr(getattr(layer, "attn_backend", None), "get_name", lambda: None)()
         if backend is not None and backend not in BACKENDS:
             raise SettingsError(f"scd-store's vLLM connector serves the {', '.join(BACKENDS)} attention backends; "

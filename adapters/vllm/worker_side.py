@@ -131,24 +131,34 @@ class WorkerSide:
         shape = (len(self.caches), heads, load.chunk_size, width // 2)
         dtype, device = self.caches[0].dtype, self.caches[0].device
         skipped = load.first_token // load.chunk_size
-        buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        slots = device_index(load.slots, device)
+        pair: list[tuple[torch.Tensor, torch.Tensor]] = []  # one buffer pair, reused chunk after chunk
+        written = 0
 
-        def into(i: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-            if tokens != load.chunk_size:
-                return None
-            buffers.append((torch.empty(shape, dtype=dtype, device=device),
-                            torch.empty(shape, dtype=dtype, device=device)))
-            return buffers[-1]
-
-        states = self.service.get(load.model, load.hashes[skipped:], into=into)
-        slots = torch.tensor(load.slots, dtype=torch.int64).to(device)
-        for i, (keys, values) in enumerate(buffers[:len(states)]):
+        def write(i: int) -> None:  # chunk i (of those fetched) from the buffers into the request's blocks
+            keys, values = pair[0]
             start = (skipped + i) * load.chunk_size
             first = max(start, load.first_token)
             where = slots[first - load.first_token:start + load.chunk_size - load.first_token]
             for layer, cache, k, v in zip(self.layers, self.caches, keys, values, strict=True):
                 write_tokens(layer, cache, k[:, first - start:].transpose(0, 1), v[:, first - start:].transpose(0, 1),
                              where)
+
+        def into(i: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+            nonlocal written
+            if tokens != load.chunk_size:
+                return None
+            if pair:  # chunk i - 1 is decoded (the service asks for chunk i only then): write it first
+                write(i - 1)
+                written = i
+            else:
+                pair.append((torch.empty(shape, dtype=dtype, device=device),
+                             torch.empty(shape, dtype=dtype, device=device)))
+            return pair[0]
+
+        states = self.service.get(load.model, load.hashes[skipped:], into=into)
+        if len(states) > written:  # the last chunk decoded is still in the buffers
+            write(len(states) - 1)
         return (skipped + len(states)) * load.chunk_size
 
     def failed_blocks(self) -> set[int]:
@@ -174,10 +184,21 @@ class WorkerSide:
         then, on a GPU, a non-blocking copy to pinned host memory); the put worker waits for that copy,
         un-packs the blocks through the layer maps and encodes."""
         block, layers = self.caches[0].shape[2], len(self.caches)
+        blocks = [whole_blocks(slots, block) for slots in save.slots]
+        nbytes = sum(len(b) for b in blocks) * sum(c[0].numel() * c.element_size() for c in self.caches)
+        if not self.service.put_fits(len(save.hashes), nbytes):  # dropped before anything is copied
+            self.service.count("dropped_puts", len(save.hashes))
+            self._once.warn("put-full", "scd-store: the put queue has no room for a step's %d chunks (%d bytes; "
+                            "put_queue_bytes bounds it): not copied, counted as dropped_puts (logged once)",
+                            len(save.hashes), nbytes)
+            return
+        index = device_index([b for chunk in blocks for b in chunk], self.caches[0].device)
         gathered: list[torch.Tensor] = []
-        for slots in save.slots:
-            index = torch.tensor(whole_blocks(slots, block), dtype=torch.int64).to(self.caches[0].device)
-            gathered.extend(cache.index_select(0, index) for cache in self.caches)
+        offset = 0
+        for chunk in blocks:
+            part = index[offset:offset + len(chunk)]
+            offset += len(chunk)
+            gathered.extend(cache.index_select(0, part) for cache in self.caches)
         host = to_host(gathered)
         copied = [(host.tensors[i * layers:(i + 1) * layers], start) for i, start in enumerate(save.starts)]
 
@@ -210,6 +231,14 @@ class WorkerSide:
             if stored > 0:
                 self.service.count("refilled_chunks", stored, space=space)
         return done
+
+
+def device_index(values: list[int], device: torch.device) -> torch.Tensor:
+    """``values`` as an int64 tensor on ``device``; on a GPU copied from pinned memory without the calling
+    thread waiting for the device (a pageable copy would synchronise the engine's stream)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=torch.int64)
+    return torch.tensor(values, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
 
 
 def whole_blocks(slots: list[int], block_size: int) -> list[int]:

@@ -8,6 +8,7 @@ import os
 import torch
 
 from scd_store.codecs.base import Codec, check_buffers
+from scd_store.codecs.device_cache import published
 from scd_store.codecs.kv_state import KVState
 from scd_store.codecs.scd import fused
 from scd_store.codecs.scd.decoder import PairDecoder, apply_map, centred_codes, code_centres
@@ -97,7 +98,7 @@ class ScdCodec(Codec):
         if key not in cache:
             matrix, offset = self.decoder.folded(self.space, device, dtype, with_map=not self._per_head)
             active = self.space.active_components
-            cache[key] = (matrix[:, :active].contiguous(), offset.unsqueeze(1).contiguous())
+            cache[key] = published((matrix[:, :active].contiguous(), offset.unsqueeze(1).contiguous()), device)
         return cache[key]
 
     def _heads(self, device, dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -106,8 +107,9 @@ class ScdCodec(Codec):
             return None
         key = (str(device), dtype, "heads")
         if key not in self._matrices:
-            self._matrices[key] = (self.decoder.weight.to(device=device, dtype=dtype).contiguous(),
-                                   self.decoder.bias.to(device=device, dtype=dtype).unsqueeze(1).contiguous())
+            self._matrices[key] = published((self.decoder.weight.to(device=device, dtype=dtype).contiguous(),
+                                             self.decoder.bias.to(device=device, dtype=dtype).unsqueeze(1)
+                                             .contiguous()), device)
         return self._matrices[key]
 
     def _centred(self, device, dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -118,14 +120,15 @@ class ScdCodec(Codec):
             matrix, offset = self.decoder.folded(self.space, device, dtype, centred=True, with_map=not self._per_head)
             active = self.space.active_components
             centres = code_centres(self.space)[:, :active].reshape(-1, 1).to(device=device, dtype=torch.uint8)
-            cache[key] = (matrix[:, :active].contiguous(), offset.unsqueeze(1).contiguous(), centres)
+            cache[key] = published((matrix[:, :active].contiguous(), offset.unsqueeze(1).contiguous(), centres),
+                                   device)
         return cache[key]
 
     def _patched(self, layer: int, features: torch.Tensor, hidden: torch.Tensor | None, device) -> None:
         """Overwrite layer ``layer``'s K / V features ``[2, T, C]`` with its aligner's output."""
         key = str(device)
         if key not in self._patches:
-            self._patches[key] = {p.layer: p.to(device) for p in self.decoder.patches}
+            self._patches[key] = published({p.layer: p.to(device) for p in self.decoder.patches}, device)
         k, v = aligned_kv(self._patches[key][layer], features[0], features[1], hidden, self.space.patch_layers)
         features[0], features[1] = k, v
 

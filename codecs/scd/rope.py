@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from scd_store.codecs.device_cache import published
 from scd_store.codecs.tensor_pack import json_int, json_number
 
 
@@ -113,6 +114,7 @@ class RopeTable:
     def __init__(self, head_dim: int, theta: float, spec: RopeSpec | None = None):
         self.head_dim, self.theta, self.spec = head_dim, theta, spec
         self._tables: dict[tuple[str, torch.dtype], tuple[torch.Tensor, ...]] = {}
+        self._retired: list[tuple[torch.Tensor, ...]] = []  # outgrown tables other streams may still read
 
     def _table(self, end: int, device: torch.device | str, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         key = (str(device), dtype)
@@ -125,7 +127,10 @@ class RopeTable:
             else:
                 cos, sin = self.spec.cos_sin(positions, dtype)
             half = self.head_dim // 2
-            table = (cos, sin, cos[..., :half].contiguous(), sin[..., :half].contiguous())
+            table = published((cos, sin, cos[..., :half].contiguous(), sin[..., :half].contiguous()), device)
+            old = self._tables.get(key)
+            if old is not None and torch.device(device).type == "cuda":
+                self._retired.append(old)
             self._tables[key] = table
         return table
 

@@ -80,6 +80,10 @@ class RawKVDirectory:
             count += 1
         return count
 
+    def put_fits(self, chunks: int, nbytes: int) -> bool:
+        """The directory writes inline: always room."""
+        return True
+
     def lookup(self, model: str, hashes: Sequence[bytes], tokens: int | None = None) -> Lookup:
         """:meth:`contains`; a local directory holds nothing remote."""
         return Lookup(self.contains(model, hashes, tokens), 0)

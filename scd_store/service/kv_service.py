@@ -130,6 +130,10 @@ class KVService:
         """Chunks handed over with :meth:`submit_put` and not yet stored."""
         return self.puts.queued_chunks()
 
+    def put_fits(self, chunks: int, nbytes: int) -> bool:
+        """Whether a job of ``chunks`` holding ``nbytes`` would be queued now (check before copying them)."""
+        return self.puts.fits(chunks, nbytes)
+
     # ----------------------------------------------------------------- lookups
     def binding(self, model: str) -> Binding | None:
         """The binding of an engine model name (after aliases), or None for a model scd-store does not serve

@@ -112,6 +112,12 @@ class PutQueue:
         with self._lock:
             return self._queued_chunks
 
+    def fits(self, chunks: int, nbytes: int) -> bool:
+        """Whether a job of ``chunks`` holding ``nbytes`` would be queued now."""
+        with self._lock:
+            return not self._closed and self._queued_chunks + chunks <= self.max_chunks \
+                and self._queued_bytes + nbytes <= self.max_bytes
+
     def queued_bytes(self) -> int:
         with self._lock:
             return self._queued_bytes

@@ -54,3 +54,32 @@ def test_layers_of_other_backends_or_sharing_a_cache_are_refused():
         check_layers(["l.0.", "l.1."], [_layer(), _layer(shares="l.0.")], [a, b])
     with pytest.raises(SettingsError, match="KV-sharing.*'l.0.'"):  # the runner aliases a shared layer's tensor
         check_layers(["l.0.", "l.1."], [_layer(), _layer()], [a, a])
+
+
+def test_one_group_of_full_attention_is_served_and_others_are_refused():
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+
+    from scd_store.adapters.vllm.engine_check import check_groups
+
+    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
+    window = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.bfloat16, sliding_window=64)
+
+    def config(*specs):
+        return KVCacheConfig(num_blocks=4, kv_cache_tensors=[],
+                             kv_cache_groups=[KVCacheGroupSpec([f"l.{i}."], s) for i, s in enumerate(specs)])
+
+    check_groups(config(full))
+    check_groups(None)  # vLLM did not say: nothing to check here (the layers are checked at registration)
+    with pytest.raises(SettingsError, match="one KV cache group of full attention.*SlidingWindowSpec"):
+        check_groups(config(window))
+    with pytest.raises(SettingsError, match="one KV cache group"):
+        check_groups(config(full, window))
+
+
+def test_speculative_decoding_and_quantised_cache_tensors_are_refused():
+    engine = config()
+    engine.speculative_config = SimpleNamespace(method="eagle")
+    with pytest.raises(SettingsError, match="speculative"):
+        check_engine(engine)
+    with pytest.raises(SettingsError, match="unquantised.*uint8"):
+        check_layers(["l.0."], [_layer()], [torch.zeros(2, 2, 16, 8, dtype=torch.uint8)])

@@ -197,7 +197,8 @@ def test_stored_refills_are_counted_by_space():
         return True
 
     binding = SimpleNamespace(space=SimpleNamespace(space_id="tiny-space"))
-    worker = WorkerSide(SimpleNamespace(submit_put=submit_put, binding=lambda model: binding, count=stats.inc))
+    worker = WorkerSide(SimpleNamespace(submit_put=submit_put, put_fits=lambda chunks, nbytes: True,
+                                        binding=lambda model: binding, count=stats.inc))
     worker.caches = [torch.zeros(8, 1, BLOCK, 2)]  # one layer's paged cache
     block = slots_of([1], BLOCK, 0, BLOCK)
     worker._save_one(ChunkSave("p1", PRODUCER, [HASHES[0]], [0], [block], refill=False))

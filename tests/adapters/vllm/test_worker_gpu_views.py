@@ -42,7 +42,7 @@ def _worker(service, backend, layout, kernel):
 def test_a_save_reads_what_the_engine_wrote_and_a_load_lands_where_its_kernel_reads(backend, layout, kernel):
     submitted = []
     service = types.SimpleNamespace(submit_put=lambda model, hashes, states, **kw: submitted.append((states, kw))
-                                    or True)
+                                    or True, put_fits=lambda chunks, nbytes: True)
     worker, views, layers = _worker(service, backend, layout, kernel)
     request_blocks = [5, 1, 6, 2]  # manager blocks
     slots = torch.tensor(slots_of(request_blocks, BLOCK, 0, 4 * BLOCK))

@@ -49,7 +49,7 @@ def test_a_producer_chunk_is_copied_as_blocks_and_unpacked_off_the_engine_thread
         layer.impl.do_kv_cache_update(layer, k, v, cache, slots)  # the engine's own writes
     submitted = []
     service = types.SimpleNamespace(submit_put=lambda model, hashes, states, **_: submitted.append(states) or True,
-                                    store=types.SimpleNamespace(stats=None))
+                                    put_fits=lambda chunks, nbytes: True, store=types.SimpleNamespace(stats=None))
     worker = WorkerSide(service)
     worker.register({f"model.layers.{i}.self_attn.attn": c for i, c in enumerate(caches)},
                     {f"model.layers.{i}.self_attn.attn": layer for i, layer in enumerate(layers)})
@@ -111,3 +111,64 @@ def test_a_hit_is_written_into_the_request_blocks_from_the_first_token_the_engin
         keys, values = read_tokens(block_map, cache, slots)
         assert torch.equal(keys, want_k[layer].transpose(0, 1))
         assert torch.equal(values, torch.cat([decoded[h][1] for h in decoded], 2)[layer, :, 96:].transpose(0, 1))
+
+
+def test_a_save_the_put_queue_has_no_room_for_is_counted_and_never_copied():
+    import types
+
+    import torch
+
+    from scd_store.adapters.vllm.plan import ChunkSave
+    from tests.adapters.vllm.engine_layers import cpu_layer
+
+    block, heads, dim = 32, 3, 64
+    layers = [cpu_layer(torch.float32, block, dim) for _ in range(2)]
+    caches = [torch.zeros(6, heads, block, 2 * dim) for _ in layers]
+    counted, asked, submitted = [], [], []
+    service = types.SimpleNamespace(put_fits=lambda chunks, nbytes: asked.append((chunks, nbytes)) or False,
+                                    count=lambda name, n=1, **_: counted.append((name, n)),
+                                    submit_put=lambda *a, **k: submitted.append(a))
+    worker = WorkerSide(service)
+    worker.register({f"model.layers.{i}.self_attn.attn": c for i, c in enumerate(caches)},
+                    {f"model.layers.{i}.self_attn.attn": layer for i, layer in enumerate(layers)})
+    worker._save_one(ChunkSave("r", "producer", [b"\x01" * 16], [0], [list(range(2 * block, 4 * block))]))
+    assert asked == [(1, 2 * heads * block * 2 * dim * 4 * len(layers))]  # two blocks of every layer, fp32
+    assert counted == [("dropped_puts", 1)] and submitted == []
+
+
+def test_a_load_decodes_every_chunk_into_one_buffer_pair():
+    import types
+
+    import torch
+
+    from scd_store.adapters.vllm.plan import ChunkLoad
+    from tests.adapters.vllm.engine_layers import cpu_layer
+
+    block, heads, dim, chunk = 32, 3, 64, 64
+    layers = [cpu_layer(torch.float32, block, dim) for _ in range(2)]
+    caches = [torch.zeros(8, heads, block, 2 * dim) for _ in layers]
+    handed = []
+
+    def get(model, hashes, into):
+        for i in range(len(hashes)):
+            keys, values = into(i, chunk)
+            handed.append(keys.data_ptr())
+            keys.fill_(i + 1)
+            values.fill_(-(i + 1))
+        return list(hashes)
+
+    worker = WorkerSide(types.SimpleNamespace(get=get))
+    worker.register({f"model.layers.{i}.self_attn.attn": c for i, c in enumerate(caches)},
+                    {f"model.layers.{i}.self_attn.attn": layer for i, layer in enumerate(layers)})
+    blocks = [7, 2, 5, 0, 3, 6]
+    assert worker._load_one(ChunkLoad("r", "consumer", [bytes([i]) * 16 for i in range(3)], chunk, 0, blocks,
+                                      block)) == 3 * chunk
+    assert len(set(handed)) == 1  # one pair, written out chunk by chunk
+    from scd_store.adapters.vllm.paged_layout import probe, read_tokens
+    from scd_store.adapters.vllm.plan import slots_of
+
+    keys, values = read_tokens(probe(layers[0], caches[0]), caches[0],
+                               torch.tensor(slots_of(blocks, block, 0, 3 * chunk)))
+    for i in range(3):  # each chunk's own values landed, none overwritten by the next
+        assert bool((keys[i * chunk:(i + 1) * chunk] == i + 1).all())
+        assert bool((values[i * chunk:(i + 1) * chunk] == -(i + 1)).all())
