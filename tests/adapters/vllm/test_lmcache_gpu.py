@@ -228,7 +228,7 @@ def test_the_connector_builds_lmcache_with_the_positioned_classes_and_says_when_
     from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import LMCacheConnectorV1
 
     monkeypatch.setattr(LMCacheConnectorV1, "__init__", FakeLMCacheConnector.__init__)
-    monkeypatch.delenv(LORA_ENV, raising=False)
+    monkeypatch.setenv(LORA_ENV, "")  # recorded as absent, so the "1" the connector sets is undone afterwards
     monkeypatch.setattr(lmcache_gpu, "engine_gpu_connector", lambda: object.__new__(PositionedPagedV2))
     config = vllm_config("cuda", lora=True)
     with caplog.at_level(logging.WARNING, logger="scd_store.adapters.vllm"):
