@@ -18,7 +18,8 @@ from scd_store.service import SettingsError
 
 DEVICES = ("cpu", "cuda")
 BACKENDS = ("CPU_ATTN", "FLASH_ATTN", "FLASHINFER", "TRITON_ATTN")
-CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
+TENSOR_DTYPES = ("bfloat16", "float16", "float32")  # what a decoded code can be written into exactly
+CACHE_DTYPES = ("auto", *TENSOR_DTYPES)  # --kv-cache-dtype values that give one of them
 
 
 def check_engine(vllm_config: Any) -> None:
@@ -72,7 +73,7 @@ def check_layers(names: list[str], layers: list[Any], caches: list[Any]) -> None
     another's cache (the same tensor twice, or ``kv_sharing_target_layer_name``)."""
     seen: dict[int, str] = {}
     for name, layer, cache in zip(names, layers, caches, strict=True):
-        if str(cache.dtype).removeprefix("torch.") not in ("bfloat16", "float16", "float32"):
+        if str(cache.dtype).removeprefix("torch.") not in TENSOR_DTYPES:
             raise SettingsError(f"scd-store's vLLM connector needs an unquantised KV cache; layer {name!r} caches in "
                                 f"{cache.dtype}")
         backend = getattr(getattr(layer, "attn_backend", None), "get_name", lambda: None)()

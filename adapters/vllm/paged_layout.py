@@ -50,7 +50,7 @@ class BlockMap:
 def scratch_like(cache: torch.Tensor, blocks: int) -> torch.Tensor:
     """A zeroed cache of ``blocks`` blocks shaped like ``cache`` and with its axes in the same memory order
     (the engine's ``KVCacheLayout``), on its device and in its dtype."""
-    order = sorted(range(cache.dim()), key=lambda d: (-cache.stride(d), d))
+    order = memory_order(cache)
     shape = [blocks if d == 0 else cache.shape[d] for d in order]
     inverse = [order.index(d) for d in range(cache.dim())]
     return torch.zeros(shape, dtype=cache.dtype, device=cache.device).permute(inverse)
@@ -118,14 +118,15 @@ def layer_maps(layers: list[Any], caches: list[torch.Tensor]) -> list[BlockMap]:
     maps = []
     for layer, cache in zip(layers, caches, strict=True):
         kind = (type(layer.impl), getattr(layer, "isa", None), getattr(layer.impl, "kv_cache_dtype", None),
-                tuple(cache.shape[1:]), _memory_order(cache), cache.dtype, cache.device)
+                tuple(cache.shape[1:]), memory_order(cache), cache.dtype, cache.device)
         if kind not in probed:
             probed[kind] = probe(layer, cache)
         maps.append(probed[kind])
     return maps
 
 
-def _memory_order(cache: torch.Tensor) -> tuple[int, ...]:
+def memory_order(cache: torch.Tensor) -> tuple[int, ...]:
+    """``cache``'s axes from the outermost in memory to the innermost (by stride)."""
     return tuple(sorted(range(cache.dim()), key=lambda d: (-cache.stride(d), d)))
 
 

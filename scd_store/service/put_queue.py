@@ -77,8 +77,7 @@ class PutQueue:
         """Queue ``job`` if its chunks and bytes fit; otherwise release it, count it and return False. Never
         blocks."""
         with self._lock:
-            fits = not self._closed and self._queued_chunks + job.chunks <= self.max_chunks \
-                and self._queued_bytes + job.nbytes <= self.max_bytes
+            fits = self._room(job.chunks, job.nbytes)
             if fits:
                 self._queued_chunks += job.chunks
                 self._queued_bytes += job.nbytes
@@ -115,8 +114,11 @@ class PutQueue:
     def fits(self, chunks: int, nbytes: int) -> bool:
         """Whether a job of ``chunks`` holding ``nbytes`` would be queued now."""
         with self._lock:
-            return not self._closed and self._queued_chunks + chunks <= self.max_chunks \
-                and self._queued_bytes + nbytes <= self.max_bytes
+            return self._room(chunks, nbytes)
+
+    def _room(self, chunks: int, nbytes: int) -> bool:  # under the lock
+        return not self._closed and self._queued_chunks + chunks <= self.max_chunks \
+            and self._queued_bytes + nbytes <= self.max_bytes
 
     def queued_bytes(self) -> int:
         with self._lock:
