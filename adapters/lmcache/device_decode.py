@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from scd_store.adapters.lmcache.layout import kv_2ltd_views
-from scd_store.service import SettingsError
+from scd_store.service.devices import resolve_decode_device
 from scd_store.service.log_once import LogOnce
 
 Pair = tuple[torch.Tensor, torch.Tensor]
@@ -31,20 +31,7 @@ log = logging.getLogger("scd_store.adapters.lmcache")
 _once = LogOnce(log)
 
 
-def decode_device(setting: str, cuda: Any = torch.cuda) -> torch.device:
-    """The device ``decode_device`` names (``cuda``: the current one, fixed now), or a :class:`SettingsError`
-    when it is not here. ``cuda`` stands for :mod:`torch.cuda` (tests pass another)."""
-    device = torch.device(setting)
-    if device.type == "cpu":
-        return device
-    if not cuda.is_available():
-        raise SettingsError(f"decode_device is {setting!r} but CUDA is not available in this process; set "
-                            "decode_device: cpu (or run where the GPU is visible)")
-    index = cuda.current_device() if device.index is None else device.index
-    if index >= cuda.device_count():
-        raise SettingsError(f"decode_device is {setting!r} but this process sees {cuda.device_count()} CUDA "
-                            "device(s)")
-    return torch.device("cuda", index)
+decode_device = resolve_decode_device  # the device ``decode_device`` names, checked at start
 
 
 class Copies(Protocol):

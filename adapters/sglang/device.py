@@ -20,7 +20,7 @@ import torch
 
 from scd_store.adapters.sglang.pages import flat_page
 from scd_store.codecs.kv_state import KVState
-from scd_store.service import SettingsError
+from scd_store.service.devices import resolve_decode_device
 
 Pair = tuple[torch.Tensor, torch.Tensor]
 
@@ -95,18 +95,7 @@ class StreamDecode(DeviceDecode):
 
 
 def device_decode(setting: str) -> DeviceDecode:
-    """The decoder for ``decode_device`` (validated by :class:`~scd_store.service.EngineSettings`). ``cuda``
+    """The decoder for ``decode_device`` (:func:`~scd_store.service.devices.resolve_decode_device`). ``cuda``
     without an index is the start thread's current device: SGLang's prefetch threads never set theirs."""
-    device = torch.device(setting)
-    if device.type == "cpu":
-        return DeviceDecode()
-    if device.type != "cuda":
-        raise SettingsError(f"decode_device must be cpu, cuda or cuda:N, got {setting!r}")
-    if not torch.cuda.is_available():
-        raise SettingsError(f"decode_device is {setting!r} but CUDA is not available in this process "
-                            "(torch.cuda.is_available() is false): set decode_device to cpu")
-    count = torch.cuda.device_count()
-    index = torch.cuda.current_device() if device.index is None else device.index
-    if index >= count:
-        raise SettingsError(f"decode_device is {setting!r} but this process sees {count} CUDA device(s)")
-    return StreamDecode(torch.device("cuda", index))
+    device = resolve_decode_device(setting)
+    return DeviceDecode() if device.type == "cpu" else StreamDecode(device)
