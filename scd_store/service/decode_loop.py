@@ -4,6 +4,10 @@ Chunks decode in order into fresh tensors or, through the caller's ``into(i, tok
 an engine's buffers. The run ends at the first chunk the codec refuses (``refused_chunks``: a miss
 from there on, never garbage), at the first chunk ``into`` has no room for, or once the get's
 deadline has passed (``deadline_chunks``: the chunks decoded so far are the hit).
+
+A chunk a GPU tier served carries its payload as a uint8 tensor on that tier's device
+(:attr:`~scd_store.store.views.CodeChunk.on_device`): the codec takes it as it is when the decode runs on that
+device (no host copy), and one copy of it on the decode's device otherwise (:func:`payload_on`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from scd_store.codecs.kv_state import KVState
 from scd_store.codecs.tensor_pack import PayloadError
 from scd_store.service.bindings import Binding
 from scd_store.store.log_once import Incidents
+from scd_store.store.results import Payload
 from scd_store.store.stats import StoreStats
 from scd_store.store.views import CodeChunk
 
@@ -26,6 +31,25 @@ from scd_store.store.views import CodeChunk
 Buffers = Callable[[int, int], tuple[torch.Tensor, torch.Tensor] | None]
 
 log = logging.getLogger("scd_store.service")
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether ``a`` and ``b`` are one device (a bare ``cuda`` is the calling thread's current one)."""
+    if a.type != b.type:
+        return False
+    if a.type != "cuda" or a.index == b.index:
+        return True
+    current = torch.cuda.current_device()
+    return (current if a.index is None else a.index) == (current if b.index is None else b.index)
+
+
+def payload_on(chunk: CodeChunk, device: torch.device) -> Payload:
+    """What the codec decodes ``chunk`` from on ``device``: its bytes, its tensor when the tensor is on ``device``,
+    else one copy of the tensor there (e.g. a CPU decode of a GPU tier's hit)."""
+    payload = chunk.payload
+    if isinstance(payload, torch.Tensor) and not same_device(payload.device, device):
+        return payload.to(device)
+    return payload
 
 
 class DecodeLoop:
@@ -68,10 +92,11 @@ class DecodeLoop:
         """One chunk's state, or None when the codec refuses it (counted and logged)."""
         try:  # the blob header's token count (bounded by the store) bounds the decode before it allocates
             if buffers is None:  # no copy: unpack takes views
-                state = binding.codec.decode(chunk.payload, device=device, dtype=dtype,
+                state = binding.codec.decode(payload_on(chunk, device), device=device, dtype=dtype,
                                              expect_tokens=chunk.token_count)
-            else:
-                state = binding.codec.decode_into(chunk.payload, *buffers, expect_tokens=chunk.token_count)
+            else:  # the buffers' device is the decode's
+                state = binding.codec.decode_into(payload_on(chunk, buffers[0].device), *buffers,
+                                                  expect_tokens=chunk.token_count)
             if state.num_tokens != chunk.token_count:  # a second line of defence
                 raise PayloadError(f"it decodes to {state.num_tokens} tokens; its header says {chunk.token_count}")
         except PayloadError as exc:

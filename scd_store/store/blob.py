@@ -37,7 +37,7 @@ import xxhash
 from scd_store.errors import ScdStoreError
 from scd_store.store import strict_json
 from scd_store.store.keys import KEY_FORMAT
-from scd_store.store.signing import SIGNATURE_SIZE, Keyring, SigningKey
+from scd_store.store.signing import SIGNATURE_SIZE, Keyring, SigningKey, VerifyKey
 
 MAGIC = b"SCDB"
 FORMAT_VERSION = KEY_FORMAT
@@ -91,10 +91,13 @@ class BlobMeta:
 
 @dataclass(frozen=True, slots=True)
 class Blob:
-    """A decoded, verified blob: its metadata and a zero-copy view of its payload."""
+    """A decoded, verified blob: its metadata, a zero-copy view of its payload, where the payload starts in the
+    blob, and the id of the key whose signature was checked ("" when none was: unsigned, or no keyring)."""
 
     meta: BlobMeta
     payload: memoryview
+    payload_offset: int = 0
+    key_id: str = ""
 
 
 def _signed_message(key: str, *body: bytes | memoryview) -> bytes:
@@ -135,9 +138,18 @@ def _meta_from_json(header: bytes) -> BlobMeta:
     return BlobMeta(obj["codec_id"], obj["space_fingerprint"], obj["token_count"])
 
 
+def check_signer(key_id: str, space_id: str, keyring: Keyring) -> VerifyKey:
+    """The public key ``key_id`` of ``space_id`` this keyring holds now; :class:`UnknownKey` when it holds none
+    (or no longer: rotated out, expired, its file gone)."""
+    public = keyring.verifier(space_id, key_id)
+    if public is None:
+        raise UnknownKey(f"blob is signed with key {key_id!r}, which this keyring does not hold (or no longer)")
+    return public
+
+
 def _verify_signature(view: memoryview, end: int, key: str, space_id: str, keyring: Keyring,
-                      verified_before: bool = False) -> int:
-    """Check a signed blob's trailer after ``end`` (the checksum's end); returns the blob's full length."""
+                      verified_before: bool = False) -> str:
+    """Check a signed blob's trailer after ``end`` (the checksum's end); returns the id of the key it names."""
     if end + 1 > view.nbytes:
         raise BlobError("signed blob is truncated before its key id")
     id_len = view[end]
@@ -148,14 +160,25 @@ def _verify_signature(view: memoryview, end: int, key: str, space_id: str, keyri
         key_id = bytes(view[end + 1:end + 1 + id_len]).decode("ascii")
     except UnicodeDecodeError:
         raise SignatureError("blob key id is not ASCII") from None
-    public = keyring.verifier(space_id, key_id)
-    if public is None:
-        raise UnknownKey(f"blob is signed with key {key_id!r}, which this keyring does not hold (or no longer)")
+    public = check_signer(key_id, space_id, keyring)
     if verified_before:  # this process checked its signature when it took it in: its key must still be held
-        return total
+        return key_id
     if not public.verify(_signed_message(key, view[:total - SIGNATURE_SIZE]), view[total - SIGNATURE_SIZE:]):
         raise SignatureError("blob signature does not verify: forged, or moved from another key")
-    return total
+    return key_id
+
+
+def check_meta(meta: BlobMeta, *, expect_space_fingerprint: str | None = None, expect_codec_id: str | None = None,
+               max_token_count: int | None = None) -> None:
+    """The header checks of :func:`decode_blob` against what its reader expects (token bound, space generation,
+    codec): :class:`BlobError` out of bounds, :class:`ForeignBlob` for another generation's or codec's blob."""
+    if max_token_count is not None and not 0 < meta.token_count <= max_token_count:
+        raise BlobError(f"blob covers {meta.token_count} tokens; a chunk of this space holds 1 to {max_token_count}")
+    if expect_space_fingerprint is not None and meta.space_fingerprint != expect_space_fingerprint:
+        raise ForeignBlob(f"blob is from space fingerprint {meta.space_fingerprint!r}, "
+                          f"expected {expect_space_fingerprint!r}")
+    if expect_codec_id is not None and meta.codec_id != expect_codec_id:
+        raise ForeignBlob(f"blob codec {meta.codec_id!r}, expected {expect_codec_id!r}")
 
 
 def decode_blob(data: bytes | bytearray | memoryview, *, key: str = "", space_id: str = "",
@@ -188,17 +211,14 @@ def decode_blob(data: bytes | bytearray | memoryview, *, key: str = "", space_id
         raise BlobError("blob checksum mismatch: corrupted")
     if keyring is not None and not signed:
         raise SignatureError("blob is unsigned and this store requires signed blobs")
+    key_id = ""
     if signed:
         if keyring is not None:
-            _verify_signature(view, end, key, space_id, keyring, verified_before)
+            key_id = _verify_signature(view, end, key, space_id, keyring, verified_before)
         elif end + 1 > n or end + 1 + view[end] + SIGNATURE_SIZE != n:
             raise BlobError("signed blob trailer does not match its length: truncated or extended")
     meta = _meta_from_json(bytes(view[PREFIX_SIZE:PREFIX_SIZE + header_len]))
-    if max_token_count is not None and not 0 < meta.token_count <= max_token_count:
-        raise BlobError(f"blob covers {meta.token_count} tokens; a chunk of this space holds 1 to {max_token_count}")
-    if expect_space_fingerprint is not None and meta.space_fingerprint != expect_space_fingerprint:
-        raise ForeignBlob(f"blob is from space fingerprint {meta.space_fingerprint!r}, "
-                          f"expected {expect_space_fingerprint!r}")
-    if expect_codec_id is not None and meta.codec_id != expect_codec_id:
-        raise ForeignBlob(f"blob codec {meta.codec_id!r}, expected {expect_codec_id!r}")
-    return Blob(meta, view[PREFIX_SIZE + header_len:body_len])
+    check_meta(meta, expect_space_fingerprint=expect_space_fingerprint, expect_codec_id=expect_codec_id,
+               max_token_count=max_token_count)
+    start = PREFIX_SIZE + header_len
+    return Blob(meta, view[start:body_len], start, key_id)

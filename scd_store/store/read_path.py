@@ -9,6 +9,10 @@
   (``report_hits``) instead of refreshing a TTL themselves. The space's producer takes both
   (:class:`~scd_store.store.repair.ProducerRepair`).
 - Local tiers (CPU, GPU) are read on the caller's thread; the rest on the store's event loop.
+- The GPU tier verified its blobs as they entered (:class:`~scd_store.store.tiers.gpu.GpuTier`): a hit there is
+  its kept header, checked against the reader's space (:func:`~scd_store.store.verify.verify_held`), and its
+  payload as a tensor view on the device (a :class:`CodeChunk` whose payload is a tensor), never copied to the
+  host (its bytes are read back only to promote it to a tier above it).
 - Hits from a lower tier are copied into every tier above it (local tiers at once, remote ones
   through the write-behind, never blocking the reader).
 """
@@ -19,19 +23,20 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from scd_store.store.blob import Blob, BlobError, ForeignBlob, SignatureError, UnknownKey
+from scd_store.store.blob import BlobError, BlobMeta, ForeignBlob, SignatureError, UnknownKey
 from scd_store.store.guard import TierGuard
 from scd_store.store.loop import LoopThread
 from scd_store.store.records import Space
-from scd_store.store.results import CodeChunk, PrefixHit
+from scd_store.store.results import CodeChunk, Payload, PrefixHit
 from scd_store.store.signing import Keyring
 from scd_store.store.stats import StoreStats
 from scd_store.store.tiers.base import LocalTier, Tier
-from scd_store.store.verify import verify_blob
+from scd_store.store.tiers.gpu import DeviceBlob, GpuTier
+from scd_store.store.verify import verify_blob, verify_held
 from scd_store.store.write_behind import WriteBehind
 
 log = logging.getLogger("scd_store.store")
@@ -39,11 +44,15 @@ log = logging.getLogger("scd_store.store")
 
 @dataclass(slots=True)
 class _Found:
-    """A verified blob of a get, its bytes as stored and the index of the tier that held it."""
+    """A verified blob of a get: its header, its payload (host bytes, or a GPU tier's tensor view), its size as
+    stored, the index of the tier that held it, and its bytes as stored (None for a GPU tier's blob: read back
+    only to promote it)."""
 
-    blob: Blob
-    raw: bytes
+    meta: BlobMeta
+    payload: Payload
+    nbytes: int
     tier_index: int
+    raw: bytes | None
 
 
 def leading_run(results: Sequence[object | None]) -> int:
@@ -113,16 +122,15 @@ class ReadPath:
         per_tier: dict[int, list[tuple[str, _Found]]] = {}
         for i, f in enumerate(found[:run]):
             assert f is not None
-            chunks.append(CodeChunk(keys[i], i, f.blob.meta.token_count, f.blob.payload, f.blob.meta,
-                                    self.tiers[f.tier_index].name))
+            chunks.append(CodeChunk(keys[i], i, f.meta.token_count, f.payload, f.meta, self.tiers[f.tier_index].name))
             per_tier.setdefault(f.tier_index, []).append((keys[i], f))
         for ti, hits in per_tier.items():
             self.stats.record_hit(tier=self.tiers[ti].name, space=space.space_id, pair=pair_id, chunks=len(hits),
-                                  tokens=sum(f.blob.meta.token_count for _, f in hits),
-                                  nbytes=sum(len(f.raw) for _, f in hits),
+                                  tokens=sum(f.meta.token_count for _, f in hits),
+                                  nbytes=sum(f.nbytes for _, f in hits),
                                   raw_kv_bytes_per_token=space.raw_kv_bytes_per_token)
             if ti > 0:
-                self._promote(ti, [(key, f.raw) for key, f in hits], space.space_id)
+                self._promote(ti, self._raw(ti, hits), space.space_id)
         self.stats.inc("lookups", space=space.space_id, pair=pair_id)
         self.stats.inc("miss_chunks", len(keys) - run, space=space.space_id, pair=pair_id)
         self.stats.observe("get", time.perf_counter() - t0)
@@ -168,9 +176,14 @@ class ReadPath:
                 break
             tier = self.tiers[ti]
             assert isinstance(tier, LocalTier)
-            values = self.guard.call_now(tier, "get", lambda t=tier, b=[keys[i] for i in pending]:
-                                         t.get_many_now(b))
-            pending, bad = self._absorb(ti, pending, keys, found, space, values)
+            if isinstance(tier, GpuTier):  # verified as they entered: their kept headers, tensors on the device
+                held = self.guard.call_now(tier, "get", lambda t=tier, b=[keys[i] for i in pending]:
+                                           t.get_blobs_now(b))
+                pending, bad = self._absorb(ti, pending, keys, found, space, held, self._held)
+            else:
+                values = self.guard.call_now(tier, "get", lambda t=tier, b=[keys[i] for i in pending]:
+                                             t.get_many_now(b))
+                pending, bad = self._absorb(ti, pending, keys, found, space, values, self._stored)
             for key in bad:
                 with contextlib.suppress(Exception):
                     tier.delete_now(key)
@@ -186,7 +199,7 @@ class ReadPath:
             tier = self.tiers[ti]
             values = await self.guard.call(tier, "get", lambda t=tier, b=[keys[i] for i in pending]:
                                            t.get_many(b), None)
-            pending, bad = self._absorb(ti, pending, keys, found, space, values)
+            pending, bad = self._absorb(ti, pending, keys, found, space, values, self._stored)
             if bad and not tier.shared:
                 await self.guard.call(tier, "delete", lambda t=tier, b=bad: t.delete_many(b), 0)
                 self.stats.inc("quarantined_blobs", len(bad), tier=tier.name, space=space.space_id)
@@ -197,10 +210,35 @@ class ReadPath:
                 self._report_hits(tier, space, [keys[i] for i, f in enumerate(found)
                                                 if f is not None and f.tier_index == ti])
 
+    def _stored(self, key: str, value: bytes, space: Space, ti: int) -> _Found:
+        """A blob's bytes as tier ``ti`` returned them, verified (:class:`BlobError` otherwise)."""
+        blob = verify_blob(key, value, space, self.keyring, trusted=self.tiers[ti].local)
+        return _Found(blob.meta, blob.payload, len(value), ti, value)
+
+    def _held(self, key: str, held: DeviceBlob, space: Space, ti: int) -> _Found:
+        """A GPU tier's entry (verified as it entered), its kept header checked against ``space``."""
+        verify_held(held.meta, held.key_id, space, self.keyring)
+        return _Found(held.meta, held.payload, held.nbytes, ti, None)
+
+    def _raw(self, ti: int, hits: list[tuple[str, _Found]]) -> list[tuple[str, bytes]]:
+        """The bytes of tier ``ti``'s hits, to promote (a GPU tier's are read back: the copy a tier above needs)."""
+        tier = self.tiers[ti]
+        items: list[tuple[str, bytes]] = []
+        for key, f in hits:
+            raw = f.raw
+            if raw is None and isinstance(tier, LocalTier):
+                with contextlib.suppress(Exception):
+                    raw = tier.get_now(key)
+            if raw is not None:
+                items.append((key, raw))
+        return items
+
     def _absorb(self, ti: int, pending: list[int], keys: list[str], found: list[_Found | None], space: Space,
-                values: list[bytes | None] | None) -> tuple[list[int], list[str]]:
-        """Verify what tier ``ti`` returned into ``found``; return the still-missing indices and the keys of bad
-        blobs (foreign ones are a miss, never bad: another generation may be right to hold them)."""
+                values: Sequence[Any | None] | None, verify: Callable[[str, Any, Space, int], _Found]
+                ) -> tuple[list[int], list[str]]:
+        """Verify what tier ``ti`` returned (``verify(key, value, space, ti)``) into ``found``; return the
+        still-missing indices and the keys of bad blobs (foreign ones are a miss, never bad: another generation
+        may be right to hold them)."""
         if values is None:
             return pending, []
         tier = self.tiers[ti]
@@ -212,7 +250,7 @@ class ReadPath:
                 still.append(i)
                 continue
             try:
-                blob = verify_blob(keys[i], value, space, self.keyring, trusted=tier.local)
+                found[i] = verify(keys[i], value, space, ti)
             except BlobError as exc:
                 still.append(i)
                 kind = ("foreign_blobs" if isinstance(exc, ForeignBlob) else
@@ -224,8 +262,6 @@ class ReadPath:
                 if kind != "foreign_blobs" and not unknown_key:
                     bad.append(keys[i])
                 log.debug("%s: blob %s in tier %s: %s", kind, keys[i], tier.name, exc)
-                continue
-            found[i] = _Found(blob, value, ti)
         for name, n in counts.items():
             if n:
                 self.stats.inc(name, n, tier=tier.name, space=space.space_id)

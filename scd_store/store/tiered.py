@@ -85,7 +85,8 @@ class TieredStore:
         self.unwritten: dict[str, int] = {}
         for tier in self.tiers:
             tier.set_evict_listener(self._on_evict)
-            tier.attach(keyring=keyring, count=lambda name, n, t=tier.name: self.stats.inc(name, n, tier=t))
+            tier.attach(keyring=keyring, count=lambda name, n, space="", t=tier.name:
+                        self.stats.inc(name, n, tier=t, space=space))
         self.registry_cache = RegistryCache(registry, self.stats, registry_refresh_s)
         self.stats_flusher = StatsFlusher(stats_sink, self.stats, stats_flush_s)
         self.repairs = ProducerRepair(self.tiers, self.guard, self.stats, keyring, self.registry_cache.written)

@@ -21,7 +21,8 @@ if TYPE_CHECKING:
     from scd_store.store.signing import Keyring
 
 EvictListener = Callable[[str, str, int], None]  # (tier name, key, bytes)
-Counter = Callable[[str, int], None]  # (counter name, amount): the store's stats, labelled with this tier
+# (counter name, amount[, space=space id]): the store's stats, labelled with this tier (and the space when given)
+Counter = Callable[..., None]
 
 
 class TierError(ScdStoreError, RuntimeError):
@@ -58,10 +59,14 @@ class Tier(ABC):
         self.keyring = keyring
         self._counter = count
 
-    def _count(self, counter: str, amount: int = 1) -> None:
-        """Add to one of the store's counters (:data:`scd_store.store.stats.COUNTERS`) under this tier."""
+    def _count(self, counter: str, amount: int = 1, *, space: str = "") -> None:
+        """Add to one of the store's counters (:data:`scd_store.store.stats.COUNTERS`) under this tier (and
+        ``space``, when given)."""
         if self._counter is not None and amount:
-            self._counter(counter, amount)
+            if space:
+                self._counter(counter, amount, space=space)
+            else:
+                self._counter(counter, amount)
 
     def _incidents(self, logger: logging.Logger, limit: int | None = None) -> Incidents:
         """Count-and-log-once (:class:`~scd_store.store.log_once.Incidents`) for this tier's own incidents,
@@ -218,10 +223,10 @@ class LruTier(LocalTier):
 
 class _TierCounts:
     """The store's counters as a tier adds to them: :meth:`Tier._count`, which labels them with the tier (the
-    labels an incident names are the tier's own)."""
+    tier label an incident names is the tier's own; its space label is kept)."""
 
     def __init__(self, tier: Tier) -> None:
         self._tier = tier
 
     def inc(self, name: str, amount: int = 1, *, tier: str = "", space: str = "", pair: str = "") -> None:
-        self._tier._count(name, amount)
+        self._tier._count(name, amount, space=space)

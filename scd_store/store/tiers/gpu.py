@@ -1,43 +1,129 @@
-"""The GPU tier: a byte-bounded LRU of CUDA uint8 tensors. Only built when CUDA is present."""
+"""The GPU tier: a byte-bounded LRU of blobs kept as uint8 tensors in this process's device memory.
+
+Only this process writes it (its producer's puts, and promotions of blobs the read path verified), and every
+blob is verified as it enters (:func:`~scd_store.store.verify.verify_entry`: framing, checksum, header, the
+signature for its key when the store holds signing keys, the key's generation): one that fails never enters
+and is counted as the read path counts it (``corrupt_blobs``, ``bad_signatures`` or ``foreign_blobs``, under
+this tier and the key's space; the first of each kind logged). Its parsed header stays on the host beside the
+tensor (:class:`DeviceBlob`), so a hit hands the decode the verified header and a tensor view of the payload,
+with no device-to-host copy (:meth:`GpuTier.get_blobs_now`); the read path checks the kept header against the
+reader's space (:func:`~scd_store.store.verify.verify_held`). ``get_now`` still returns bytes (a copy out),
+for promotions to a tier below it and the write-behind's re-sync.
+"""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
+from scd_store.store.blob import BlobError, BlobMeta, ForeignBlob, SignatureError
+from scd_store.store.keys import space_of
 from scd_store.store.tiers.base import LruTier, TierError
 from scd_store.store.tiers.lru import ByteLRU
+from scd_store.store.verify import verify_entry
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("scd_store.store")
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceBlob:
+    """A blob the GPU tier verified as it took it in: its header on the host, its bytes on the device.
+
+    ``key_id``: the key whose signature was checked ("" when the store holds no keyring). ``payload`` is a
+    view of ``data`` (no copy); readers must not write into it."""
+
+    meta: BlobMeta
+    key_id: str
+    data: torch.Tensor
+    payload_offset: int
+    payload_len: int
+
+    @property
+    def payload(self) -> torch.Tensor:
+        """The codec payload: a contiguous 1-D uint8 view of :attr:`data` on the tier's device."""
+        return self.data[self.payload_offset:self.payload_offset + self.payload_len]
+
+    @property
+    def nbytes(self) -> int:
+        """The whole blob's size in bytes (what the tier's bound counts)."""
+        return int(self.data.numel())
 
 
 class GpuTier(LruTier):
-    """Keeps blobs in device memory so a consumer on the same device decodes without a host copy.
+    """Keeps verified blobs in device memory, so a consumer decodes a hit without a host copy.
 
-    ``get`` returns bytes (a device-to-host copy); :meth:`get_tensor` returns the device tensor itself.
-    """
+    ``get_blobs_now`` returns :class:`DeviceBlob` entries (header on the host, tensor on the device);
+    ``get_now`` returns bytes (a device-to-host copy); :meth:`get_tensor` returns a blob's whole tensor."""
 
     kind = "gpu"
 
     def __init__(self, max_bytes: int, *, device: str = "cuda", name: str | None = None) -> None:
         import torch
 
-        if not torch.cuda.is_available():
-            raise TierError("the GPU tier needs CUDA, and torch.cuda.is_available() is False")
         super().__init__(name)
         self._torch = torch
-        self.device = torch.device(device)
-        self._lru: ByteLRU[object] = ByteLRU(max_bytes, lambda t: t.numel(), self._evicted)
+        self.device = self._device(torch, device)
+        self._lru: ByteLRU[DeviceBlob] = ByteLRU(max_bytes, lambda b: b.nbytes, self._evicted)
         self.max_value_bytes = max_bytes
+        self.rejected_too_large = 0
+        self._refusals = self._incidents(log)
 
-    def get_tensor(self, key: str):  # noqa: ANN201 - torch.Tensor | None
-        return self._lru.get(key)
+    @staticmethod
+    def _device(torch: Any, device: str) -> torch.device:
+        """The CUDA device the tier keeps blobs on; a :class:`TierError` without CUDA or for another device.
+        (Tests override this to back the tier with host memory: never a configuration.)"""
+        if not torch.cuda.is_available():
+            raise TierError("the GPU tier needs CUDA, and torch.cuda.is_available() is False")
+        resolved = torch.device(device)
+        if resolved.type != "cuda":
+            raise TierError(f"the GPU tier keeps blobs on a CUDA device, not {device!r}")
+        return resolved if resolved.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+    # ----------------------------------------------------------------- reads
+    def get_blobs_now(self, keys: Sequence[str]) -> list[DeviceBlob | None]:
+        """The verified entries of ``keys`` (None where absent), most recently used now; nothing is copied."""
+        return self._lru.get_many(keys)
+
+    def get_tensor(self, key: str) -> torch.Tensor | None:
+        """A blob's whole tensor on the device (header and trailer included), or None."""
+        entry = self._lru.get(key)
+        return None if entry is None else entry.data
 
     def get_now(self, key: str) -> bytes | None:
-        tensor = self._lru.get(key)
-        return None if tensor is None else tensor.cpu().numpy().tobytes()
+        entry = self._lru.get(key)
+        return None if entry is None else self._to_host(entry.data)
 
     def get_many_now(self, keys: Sequence[str]) -> list[bytes | None]:
-        return [None if t is None else t.cpu().numpy().tobytes() for t in self._lru.get_many(keys)]
+        return [None if e is None else self._to_host(e.data) for e in self._lru.get_many(keys)]
 
+    def _to_host(self, data: torch.Tensor) -> bytes:
+        """A blob's bytes on the host: the tier's only device-to-host copy."""
+        return data.cpu().numpy().tobytes()
+
+    # ----------------------------------------------------------------- writes: verified on the way in
     def put_now(self, key: str, value: bytes) -> None:
+        """Verify ``value`` under ``key`` and keep it on the device; a blob that fails never enters (counted)."""
+        try:
+            blob = verify_entry(key, value, self.keyring)
+        except BlobError as exc:
+            self._refuse(key, exc)
+            return
         torch = self._torch
         host = torch.frombuffer(bytearray(value), dtype=torch.uint8)
-        self._lru.put(key, host.to(self.device, non_blocking=False))
+        entry = DeviceBlob(blob.meta, blob.key_id, host.to(self.device, non_blocking=False), blob.payload_offset,
+                           blob.payload.nbytes)
+        if not self._lru.put(key, entry):
+            self.rejected_too_large += 1
+
+    def _refuse(self, key: str, exc: BlobError) -> None:
+        """Count a blob refused at entry as the read path counts a bad one; log the first of each kind."""
+        kind = ("foreign_blobs" if isinstance(exc, ForeignBlob) else
+                "bad_signatures" if isinstance(exc, SignatureError) else "corrupt_blobs")
+        self._refusals.count(kind, "gpu tier %s: refused a blob under %s (%s: %s): it never enters this tier; "
+                             "further ones are counted (%s), not logged", self.name, key, type(exc).__name__, exc,
+                             kind, once=kind, space=space_of(key))
