@@ -94,7 +94,7 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
                 else:
                     chunks = store.consumer(PAIR, CONSUMER, FINGERPRINT).get(hashes)
                     report["served"] += len(chunks)
-                    report["garbage"] += sum(bytes(c.payload) != payload_for(c.key, spec["payload_bytes"])
+                    report["garbage"] += sum(bytes(c.host_payload()) != payload_for(c.key, spec["payload_bytes"])
                                              for c in chunks)
                 report["requests"] += 1
                 latencies.append(time.perf_counter() - t0)

@@ -105,7 +105,7 @@ def client(store: TieredStore, config: SoakConfig, client_id: int, ops: int) -> 
         elif roll < 0.8:
             chunks = consumer.get(hashes)
             latency["get"].append(time.perf_counter() - t0)
-            torn += sum(bytes(c.payload) != payload_for(c.key, config) for c in chunks)
+            torn += sum(bytes(c.host_payload()) != payload_for(c.key, config) for c in chunks)
         else:
             consumer.contains(hashes)
             latency["lookup"].append(time.perf_counter() - t0)

@@ -90,7 +90,7 @@ def _cpu_size(size: int, n: int, registry: FileRegistry) -> dict[str, Any]:
     keys = _keys(n)
     one_chunk = chunk_hashes(list(range(256)), 256)
     store.producer("bench", "producer", "s-fp").put(one_chunk, values[:1], [256], codec_id="bench")
-    assert bytes(consumer.get(one_chunk)[0].payload) == values[0]
+    assert bytes(consumer.get(one_chunk)[0].host_payload()) == values[0]
     put_t, get_t, ref_t, store_t = [], [], [], []
     for i, key in enumerate(keys):
         value = values[i % len(values)]
