@@ -55,6 +55,28 @@ def _section(tensors: dict[str, torch.Tensor], name: str, coded: int, plan: Pack
     return unpack_sorted(packed, coded, plan)
 
 
+def head_group_basis(cov: torch.Tensor, layout: KVLayout, head_groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigenvalues ``[G, C]`` (decreasing, clamped at 0) and orthonormal eigenvectors ``[G, C, C]`` (columns)
+    of covariances ``[G, C, C]``; with ``head_groups`` > 1, of each head group's diagonal block alone, so each
+    column is zero outside one group of ``kv_heads / head_groups`` heads."""
+    if head_groups < 1 or layout.kv_heads % head_groups:
+        raise ValueError(f"head_groups must divide the model's {layout.kv_heads} KV heads, got {head_groups}")
+    cov = cov.double()
+    if head_groups == 1:
+        eigvals, eigvecs = torch.linalg.eigh(cov)
+        return eigvals.flip(-1).clamp_min(0), eigvecs.flip(-1)
+    width = layout.width // head_groups
+    eigvals = torch.empty(cov.shape[:2], dtype=torch.float64)
+    eigvecs = torch.zeros_like(cov)
+    for r in range(head_groups):
+        block = slice(r * width, (r + 1) * width)
+        vals, vecs = torch.linalg.eigh(cov[:, block, block])
+        eigvals[:, block], eigvecs[:, block, block] = vals, vecs
+    order = eigvals.argsort(dim=-1, descending=True)
+    eigvals = eigvals.gather(-1, order).clamp_min(0)
+    return eigvals, eigvecs.gather(2, order.unsqueeze(1).expand_as(eigvecs))
+
+
 @dataclass(slots=True)
 class CodeSpace:
     """A producer's calibrated basis: per group (layer x K/V) a mean, an orthonormal basis
@@ -101,7 +123,7 @@ class CodeSpace:
     def from_statistics(cls, space_id: str, layout: KVLayout, mean: torch.Tensor, cov: torch.Tensor, budget: float,
                         key_weight: float = 1.0, sink_tokens: int = 4, producer_fingerprint: str = "",
                         hidden_stats: tuple[tuple[int, ...], torch.Tensor, torch.Tensor] | None = None,
-                        sensitivity: torch.Tensor | None = None) -> CodeSpace:
+                        sensitivity: torch.Tensor | None = None, head_groups: int = 1) -> CodeSpace:
         """A space from per-group feature means ``[G, C]`` and covariances ``[G, C, C]``: the PCA basis
         (components by decreasing variance) and ``budget`` (coded bits per dimension against fp16)
         spread over the components by :func:`allocate_bits`.
@@ -111,9 +133,13 @@ class CodeSpace:
         ``u^T F u``, so bits go where quantisation noise costs the most; without it (what calibration
         does), keys are weighted ``key_weight`` against values. ``hidden_stats`` = (patch
         layers, ``H_in`` means ``[P, D]``, covariances ``[P, D, D]``) makes a PATCH space: ``H_in`` is
-        coded at the same bits per dimension and the patch layers' K / V groups get none."""
-        eigvals, eigvecs = torch.linalg.eigh(cov.double())
-        eigvals, eigvecs = eigvals.flip(-1).clamp_min(0), eigvecs.flip(-1)
+        coded at the same bits per dimension and the patch layers' K / V groups get none.
+
+        ``head_groups`` > 1 splits each group's KV heads into that many equal groups (tensor-parallel
+        ranks) and fits a basis per head group: every component then lives on one rank's heads, so a rank
+        can encode and decode its own heads alone (:func:`head_group_basis`). Bits are still allocated
+        over all components together."""
+        eigvals, eigvecs = head_group_basis(cov, layout, head_groups)
         if sensitivity is not None:
             if sensitivity.shape != cov.shape:
                 raise ValueError(f"sensitivity {tuple(sensitivity.shape)} does not match the covariances")

@@ -67,6 +67,9 @@ class CalibrationConfig:
     patch_source: str = "hidden"  # "hidden": code H_in at those layers; "kv": aligners on the REUSE output
     # the decoder map: "dense", "per-head", or "auto" (dense where it stays within 2% of the consumer's bf16 weights)
     decoder: str = "auto"
+    # tensor-parallel ranks the space is fitted for: a basis per group of kv_heads / head_groups heads, and a
+    # per-head map (so each rank encodes and decodes its own heads alone); 1 = one basis over every head
+    head_groups: int = 1
     seed: int = 0
     recipe: Recipe = field(default_factory=Recipe)
 
@@ -83,8 +86,18 @@ class CalibrationConfig:
             raise ValueError(f"patch_layers must be >= 0, got {self.patch_layers}")
         if self.decoder not in STRUCTURES:
             raise ValueError(f"decoder must be one of {STRUCTURES}, got {self.decoder!r}")
+        if self.head_groups < 1:
+            raise ValueError(f"head_groups must be >= 1, got {self.head_groups}")
+        if self.head_groups > 1 and self.decoder == "dense":
+            raise ValueError("a dense decoder map mixes every KV head: head_groups > 1 needs decoder per-head or auto")
         if self.patch_source not in SOURCES:
             raise ValueError(f"patch_source must be one of {SOURCES}, got {self.patch_source!r}")
+
+    @property
+    def map_request(self) -> str:
+        """The decoder structure asked of :func:`~scd_store.codecs.scd.decoder.choose_structure`: per-head
+        for a space of several head groups (a dense map would mix the ranks' heads), else :attr:`decoder`."""
+        return "per-head" if self.head_groups > 1 else self.decoder
 
     @property
     def first_cut(self) -> int:

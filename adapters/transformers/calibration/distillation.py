@@ -56,7 +56,7 @@ def distil_decoder(producer: LoadedModel, consumer: LoadedModel, space: CodeSpac
     data = through_space(space, teacher, recipe.sink_tokens)
     collect_seconds = time.perf_counter() - start_time
     device = consumer.device
-    structure = map_structure(consumer, space.layout, config.decoder)
+    structure = map_structure(consumer, space.layout, config.map_request)
     weight = initial_map(space.layout, structure, device)
     bias = data.mean_shift.to(device).requires_grad_(True)
     layers = consumer.model.model.layers

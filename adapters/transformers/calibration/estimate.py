@@ -61,7 +61,7 @@ def _step(consumer: LoadedModel, config: CalibrationConfig) -> None:
     structure the pair will train (``config.decoder``), the continuation, a KL to random targets, a backward."""
     layout = layout_of(consumer.model)
     b, sinks, device = config.recipe.batch_size, config.recipe.sink_tokens, consumer.device
-    weight = initial_map(layout, map_structure(consumer, layout, config.decoder), device)
+    weight = initial_map(layout, map_structure(consumer, layout, config.map_request), device)
     x = torch.randn(b, config.prefix_tokens - sinks, layout.groups, layout.width, device=device)
     y = x + apply_map(x, weight)
     sink = torch.zeros(b, layout.num_layers, layout.kv_heads, sinks, layout.head_dim, device=device)

@@ -160,6 +160,7 @@ def calibrate(producer_name: str | ModelSource, consumers: list[str | ModelSourc
                                            "calibration": {"budget": b, "allocation": "variance",
                                                            "key_weight": config.recipe.key_weight,
                                                            "patch_layers": list(chosen), "patch_source": patch_source,
+                                                           "head_groups": config.head_groups,
                                                            "device": str(producer.device)}})
         entry: dict = {"space_id": space.space_id, "payload_ratio": round(space.payload_ratio(), 4),
                        "patch_layers": list(chosen), "consumers": {}}

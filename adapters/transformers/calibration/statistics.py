@@ -46,7 +46,7 @@ class SpaceStatistics:
                             torch.stack([self.hidden[i][1] for i in patch_layers]))
         return CodeSpace.from_statistics(space_id, self.layout, self.mean, self.cov, config.budget,
                                          config.recipe.key_weight, config.recipe.sink_tokens,
-                                         self.producer_fingerprint, hidden_stats)
+                                         self.producer_fingerprint, hidden_stats, head_groups=config.head_groups)
 
 
 @torch.no_grad()
