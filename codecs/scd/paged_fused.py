@@ -1,0 +1,346 @@
+"""The fused REUSE decode written straight into vLLM's paged KV cache, through a slot table.
+
+:func:`decode_paged` is the one entry point: one Triton launch decodes every layer's keys and values
+(codes -> folded decoder matmul -> RoPE on keys, as :mod:`~scd_store.codecs.scd.fused`) and stores
+token ``t`` at cache slot ``slots[t]`` (``block = slot // block_size``, ``offset = slot % block_size``)
+of every layer, cast to the cache's dtype; a second, small launch copies the payload's raw sink tokens.
+A slot below 0 (or past the cache) skips its token. :func:`decode_paged_eager` does the same with the
+codec's own decode and a PyTorch scatter: the reference, and the fallback on a CPU or without Triton.
+
+Caches are described by :class:`PagedCaches` (:func:`paged_caches`): each layer's logical
+``[blocks, 2 (K / V), block_size, kv_heads, head_dim]`` view with any element strides (alike for all
+layers), and one ``[layers]`` int64 table of each layer's first element, counted from the
+lowest-addressed layer: one launch writes all layers whether they are views of one allocation (vLLM's
+``KVCacheTensor``) or separate tensors. vLLM 0.32's CUDA backends hand ``[blocks, kv_heads, block_size,
+2 * head_dim]`` views with ``[K | V]`` on the last axis; :func:`kv_view` reads them as the logical view
+(vLLM-CPU packs keys for its own kernels: write those caches through the backend's op instead).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from scd_store.codecs.scd import fused
+from scd_store.codecs.tensor_pack import PayloadError
+
+if TYPE_CHECKING:
+    from scd_store.codecs.scd.codec import ScdCodec
+    from scd_store.codecs.scd.space import SpaceCodes
+
+log = logging.getLogger(__name__)
+
+CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_FAILED: set[str] = set()  # devices where a paged kernel did not build: they decode eagerly from then on
+
+
+@functools.cache
+def _kernels():  # noqa: ANN202 - two triton.JITFunctions
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def decode_kernel(codes, rows, matrix, offset, cos, sin, cache, layer_offsets, slots, tokens, active, width,
+                      num_slots, s_codes, s_block, s_kv, s_pos, s_head, s_dim, BLOCK_SIZE: tl.constexpr,
+                      HALF: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, FP16: tl.constexpr):
+        group, block, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        t = block * BT + tl.arange(0, BT)
+        t_ok = t < tokens
+        d = tl.arange(0, HALF)
+        lo_cols = head * 2 * HALF + d
+        acc_lo = tl.zeros((BT, HALF), dtype=tl.float32)
+        acc_hi = tl.zeros((BT, HALF), dtype=tl.float32)
+        for c0 in range(0, active, BC):  # the products exactly as fused.decode_kernel: the same bits
+            c = c0 + tl.arange(0, BC)
+            c_ok = c < active
+            row = tl.load(rows + group * active + c, mask=c_ok, other=0)
+            q = tl.load(codes + row[None, :] * s_codes + t[:, None], mask=t_ok[:, None] & c_ok[None, :], other=0)
+            m_ptr = matrix + (group * active + c[:, None]) * width + lo_cols[None, :]
+            m_lo = tl.load(m_ptr, mask=c_ok[:, None], other=0.0)
+            m_hi = tl.load(m_ptr + HALF, mask=c_ok[:, None], other=0.0)
+            if FP16:
+                qf = q.to(tl.float16)
+                acc_lo += tl.dot(qf, m_lo)
+                acc_hi += tl.dot(qf, m_hi)
+            else:
+                qf = q.to(tl.float32)
+                acc_lo += tl.dot(qf, m_lo, input_precision="ieee")
+                acc_hi += tl.dot(qf, m_hi, input_precision="ieee")
+        acc_lo += tl.load(offset + group * width + lo_cols)[None, :]
+        acc_hi += tl.load(offset + group * width + lo_cols + HALF)[None, :]
+        # the token's cache slot (< 0 or past the cache: skipped); written out in both kernels, since Triton's
+        # interpreter resolves no @jit helper defined in this closure
+        slot = tl.load(slots + t, mask=t_ok, other=-1)
+        ok = t_ok & (slot >= 0) & (slot < num_slots)
+        slot = tl.where(ok, slot, 0).to(tl.int64)
+        where = (slot // BLOCK_SIZE) * s_block + (slot % BLOCK_SIZE) * s_pos
+        kv = group % 2
+        out = cache + tl.load(layer_offsets + group // 2) + kv * s_kv + head * s_head + where[:, None] \
+            + d[None, :] * s_dim
+        mask = ok[:, None]
+        if kv == 0:
+            cs = tl.load(cos + t[:, None] * HALF + d[None, :], mask=t_ok[:, None], other=0.0)
+            sn = tl.load(sin + t[:, None] * HALF + d[None, :], mask=t_ok[:, None], other=0.0)
+            tl.store(out, (acc_lo * cs - acc_hi * sn).to(cache.dtype.element_ty), mask=mask)
+            tl.store(out + HALF * s_dim, (acc_hi * cs + acc_lo * sn).to(cache.dtype.element_ty), mask=mask)
+        else:
+            tl.store(out, acc_lo.to(cache.dtype.element_ty), mask=mask)
+            tl.store(out + HALF * s_dim, acc_hi.to(cache.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def scatter_kernel(keys, values, cache, layer_offsets, slots, tokens, num_slots, s_kl, s_kh, s_kt, s_kd,
+                       s_vl, s_vh, s_vt, s_vd, s_block, s_kv, s_pos, s_head, s_dim, BLOCK_SIZE: tl.constexpr,
+                       DIM: tl.constexpr, BT: tl.constexpr):
+        group, block, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        layer, kv = group // 2, group % 2
+        t = block * BT + tl.arange(0, BT)
+        t_ok = t < tokens
+        d = tl.arange(0, DIM)
+        if kv == 0:
+            src = keys + layer * s_kl + head * s_kh + t[:, None] * s_kt + d[None, :] * s_kd
+        else:
+            src = values + layer * s_vl + head * s_vh + t[:, None] * s_vt + d[None, :] * s_vd
+        x = tl.load(src, mask=t_ok[:, None], other=0.0)
+        slot = tl.load(slots + t, mask=t_ok, other=-1)  # the token's cache slot; < 0 or past the cache: skipped
+        ok = t_ok & (slot >= 0) & (slot < num_slots)
+        slot = tl.where(ok, slot, 0).to(tl.int64)
+        where = (slot // BLOCK_SIZE) * s_block + (slot % BLOCK_SIZE) * s_pos
+        out = cache + tl.load(layer_offsets + layer) + kv * s_kv + head * s_head + where[:, None] + d[None, :] * s_dim
+        tl.store(out, x.to(tl.float32).to(cache.dtype.element_ty), mask=ok[:, None])  # via fp32, as torch casts
+
+    return decode_kernel, scatter_kernel
+
+
+@dataclass(frozen=True, slots=True)
+class PagedCaches:
+    """Every layer's paged cache as the kernels address it; build once (:func:`paged_caches`), reuse per decode."""
+
+    layers: tuple[torch.Tensor, ...]  # [blocks, 2, block_size, kv_heads, head_dim] views, alike in shape and strides
+    base: torch.Tensor  # the lowest-addressed layer's view: the kernels' base pointer
+    offsets: torch.Tensor  # [layers] int64 on the caches' device: each layer's first element, in elements from base
+
+    @property
+    def strides(self) -> tuple[int, int, int, int, int]:
+        """Element strides of (block, K / V, position in block, head, dim)."""
+        return tuple(self.base.stride())  # type: ignore[return-value]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.base.shape[0]
+
+    @property
+    def block_size(self) -> int:
+        return self.base.shape[2]
+
+    @property
+    def heads(self) -> int:
+        return self.base.shape[3]
+
+    @property
+    def head_dim(self) -> int:
+        return self.base.shape[4]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.base.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.base.device
+
+
+def kv_view(cache: torch.Tensor) -> torch.Tensor:
+    """vLLM's CUDA-backend view ``[blocks, kv_heads, block_size, 2 * head_dim]`` (``[K | V]`` last) as the
+    logical ``[blocks, 2, block_size, kv_heads, head_dim]`` view of the same memory."""
+    if cache.dim() != 4 or cache.shape[-1] % 2:
+        raise ValueError(f"expected a [blocks, kv_heads, block_size, 2*head_dim] cache view, got {tuple(cache.shape)}")
+    return cache.unflatten(3, (2, cache.shape[-1] // 2)).permute(0, 3, 2, 1, 4)
+
+
+def paged_caches(caches: Sequence[torch.Tensor]) -> PagedCaches:
+    """:class:`PagedCaches` of per-layer caches: vLLM's 4-d views (:func:`kv_view`) or logical 5-d
+    ``[blocks, 2, block_size, kv_heads, head_dim]`` views, alike in shape, strides, dtype and device."""
+    if not caches:
+        raise ValueError("paged_caches: no layer caches")
+    views = tuple(kv_view(c) if c.dim() == 4 else c for c in caches)
+    first = views[0]
+    if first.dim() != 5 or first.shape[1] != 2:
+        raise ValueError(f"expected [blocks, 2, block_size, kv_heads, head_dim] cache views, got {tuple(first.shape)}")
+    if first.dtype not in CACHE_DTYPES:
+        raise ValueError(f"a {first.dtype} KV cache cannot carry decoded codes (one of {CACHE_DTYPES})")
+    for v in views:
+        if v.shape != first.shape or v.stride() != first.stride() or v.dtype != first.dtype \
+                or v.device != first.device:
+            raise ValueError("paged_caches: the layers' caches differ in shape, strides, dtype or device")
+    pointers = [v.data_ptr() for v in views]
+    low = min(range(len(views)), key=pointers.__getitem__)
+    size = first.element_size()
+    if any((p - pointers[low]) % size for p in pointers):
+        raise ValueError("paged_caches: the layers' caches are not element-aligned to one another")
+    offsets = torch.tensor([(p - pointers[low]) // size for p in pointers], dtype=torch.int64)
+    return PagedCaches(views, views[low], offsets.to(first.device))
+
+
+def slot_table(block_ids: Sequence[int], first_offset: int, tokens: int, block_size: int,
+               device: torch.device | str = "cpu") -> torch.Tensor:
+    """``[tokens]`` int64 slots of tokens laid from offset ``first_offset`` of ``block_ids[0]`` on, block after
+    block (vLLM's ``slot_mapping``: ``block_id * block_size + offset``)."""
+    if not 0 <= first_offset < block_size or first_offset + tokens > len(block_ids) * block_size:
+        raise ValueError(f"{tokens} tokens from offset {first_offset} do not fit {len(block_ids)} blocks")
+    places = torch.arange(first_offset, first_offset + tokens, dtype=torch.int64)
+    ids = torch.tensor(list(block_ids), dtype=torch.int64)
+    return (ids[places // block_size] * block_size + places % block_size).to(device)
+
+
+def available(device: torch.device | str, head_dim: int) -> bool:
+    """Whether the paged kernels run for ``device`` and ``head_dim`` (:func:`fused.available`: CUDA with
+    Triton, or Triton's interpreter; a power-of-two head_dim from 32)."""
+    return fused.available(device, head_dim) and str(torch.device(device)) not in _FAILED
+
+
+def reuse_only(codec: ScdCodec) -> bool:
+    """Whether ``codec`` decodes with one dense folded matrix and one RoPE table (what the kernel computes;
+    the condition ``ScdCodec`` puts on its own fused kernel)."""
+    decoder, space = codec.decoder, codec.space
+    return decoder is not None and not decoder.patches and space.hidden is None \
+        and not space.layout.per_layer_rope and decoder.structure == "dense"
+
+
+def _check_slots(slots: torch.Tensor, tokens: int, device: torch.device) -> None:
+    if not isinstance(slots, torch.Tensor) or slots.dtype != torch.int64 or slots.shape != (tokens,) \
+            or slots.device != device:
+        raise ValueError(f"slots must be a [{tokens}] int64 tensor on {device}")
+
+
+def _check_target(cache: torch.Tensor, layer_offsets: torch.Tensor, strides: Sequence[int], block_size: int) -> None:
+    if cache.dtype not in CACHE_DTYPES or len(strides) != 5 or block_size < 1 or layer_offsets.dim() != 1 \
+            or layer_offsets.dtype != torch.int64 or layer_offsets.device != cache.device:
+        raise ValueError("paged target: cache dtype, five strides, block_size or int64 layer offsets do not match")
+
+
+def paged_decode(sorted_codes: torch.Tensor, rows: torch.Tensor, matrix: torch.Tensor, offset: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor, layer_offsets: torch.Tensor,
+                 strides: Sequence[int], block_size: int, num_blocks: int, slots: torch.Tensor) -> None:
+    """:func:`fused.fused_decode`'s keys and values of token ``t``, every layer, into cache slot ``slots[t]``.
+
+    ``cache``: the base pointer (its dtype is the cache's); layer ``l``'s ``(block, kv, position, head, dim)``
+    element lies at ``cache + layer_offsets[l] + block * strides[0] + ... + dim * strides[4]``. The other
+    operands are :func:`fused.fused_decode`'s; ``slots`` ``[T]`` int64, below 0 or past ``num_blocks *
+    block_size``: skipped."""
+    groups, active = rows.shape
+    tokens, half = cos.shape
+    width = matrix.shape[2] if matrix.dim() == 3 else -1
+    _check_target(cache, layer_offsets, strides, block_size)
+    if half < 1 or groups != 2 * layer_offsets.shape[0] or matrix.shape[:2] != (groups, active) or width % (2 * half) \
+            or sin.shape != cos.shape or offset.shape != (groups, width) or sorted_codes.stride(1) != 1 \
+            or sorted_codes.shape[1] != tokens:
+        raise ValueError("paged_decode: shapes or strides do not match")
+    _check_slots(slots, tokens, cache.device)
+    if not tokens:
+        return
+    grid = (groups, -(-tokens // fused.BLOCK_T), width // (2 * half))
+    _kernels()[0][grid](sorted_codes, rows.contiguous(), matrix.contiguous(), offset.contiguous(), cos.contiguous(),
+                        sin.contiguous(), cache, layer_offsets, slots, tokens, active, width, num_blocks * block_size,
+                        sorted_codes.stride(0), *strides, BLOCK_SIZE=block_size, HALF=half, BT=fused.BLOCK_T,
+                        BC=fused.BLOCK_C, FP16=matrix.dtype == torch.float16)
+
+
+def paged_scatter(keys: torch.Tensor, values: torch.Tensor, cache: torch.Tensor, layer_offsets: torch.Tensor,
+                  strides: Sequence[int], block_size: int, num_blocks: int, slots: torch.Tensor) -> None:
+    """Keys and values ``[L, H, T, D]`` (any strides) into the paged cache as :func:`paged_decode` writes."""
+    _check_target(cache, layer_offsets, strides, block_size)
+    if keys.dim() != 4 or keys.shape != values.shape or keys.shape[0] != layer_offsets.shape[0]:
+        raise ValueError("paged_scatter: shapes do not match")
+    layers, heads, tokens, dim = keys.shape
+    _check_slots(slots, tokens, cache.device)
+    if not tokens:
+        return
+    grid = (2 * layers, -(-tokens // fused.BLOCK_T), heads)
+    _kernels()[1][grid](keys, values, cache, layer_offsets, slots, tokens, num_blocks * block_size, *keys.stride(),
+                        *values.stride(), *strides, BLOCK_SIZE=block_size, DIM=dim, BT=fused.BLOCK_T)
+
+
+def scatter_eager(keys: torch.Tensor, values: torch.Tensor, caches: PagedCaches, slots: torch.Tensor) -> None:
+    """PyTorch :func:`paged_scatter`: keys and values ``[L, H, T, D]`` into ``caches`` at ``slots``."""
+    keep = (slots >= 0) & (slots < caches.num_blocks * caches.block_size)
+    tokens = keep.nonzero().squeeze(1)
+    blocks, positions = slots[tokens] // caches.block_size, slots[tokens] % caches.block_size
+    for layer, view in enumerate(caches.layers):
+        view[:, 0][blocks, positions] = keys[layer][:, tokens].transpose(0, 1).to(caches.dtype)
+        view[:, 1][blocks, positions] = values[layer][:, tokens].transpose(0, 1).to(caches.dtype)
+
+
+def check_paged(codec: ScdCodec, codes: SpaceCodes, caches: PagedCaches, slots: torch.Tensor,
+                angles: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Raise ``ValueError`` where the codes, caches, slot table or angles do not fit ``codec`` and each other."""
+    if codec.decoder is None:
+        raise ValueError("this SCD codec has no consumer decoder: it can encode only")
+    layout = codec.space.layout
+    if len(caches.layers) != layout.num_layers or caches.heads != layout.kv_heads \
+            or caches.head_dim != layout.head_dim:
+        raise ValueError(f"caches of {len(caches.layers)} layers x {caches.heads} heads x {caches.head_dim} dims; "
+                         f"the codec decodes {layout.num_layers} x {layout.kv_heads} x {layout.head_dim}")
+    _check_slots(slots, codes.num_tokens, caches.device)
+    if codes.sorted_codes.device != caches.device:
+        raise ValueError(f"codes on {codes.sorted_codes.device}, caches on {caches.device}")
+    coded = codes.num_tokens - (codes.sinks.num_tokens if codes.sinks is not None else 0)
+    if angles is not None and any(a.shape[-2:] != (coded, layout.head_dim // 2) or a.device != caches.device
+                                  for a in angles):
+        raise ValueError(f"angles must be [{coded}, {layout.head_dim // 2}] tables on {caches.device}")
+
+
+def decode_paged_eager(codec: ScdCodec, codes: SpaceCodes, caches: PagedCaches, slots: torch.Tensor,
+                       angles: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """The reference: the codec's own decode to ``[L, H, T, D]`` in the caches' dtype, then :func:`scatter_eager`."""
+    check_paged(codec, codes, caches, slots, angles)
+    state = codec.decode_codes(codes, caches.device, caches.dtype, angles)
+    scatter_eager(state.keys, state.values, caches, slots)
+
+
+def _launch(codec: ScdCodec, codes: SpaceCodes, caches: PagedCaches, slots: torch.Tensor,
+            angles: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    layout, device, dtype = codec.space.layout, caches.device, caches.dtype
+    sinks = codes.sinks.num_tokens if codes.sinks is not None else 0
+    coded = codes.num_tokens - sinks
+    if coded:
+        try:
+            layout.check_positions(codes.start, codes.num_tokens)
+        except ValueError as exc:
+            raise PayloadError(str(exc)) from None
+    target = (caches.base, caches.offsets, caches.strides, caches.block_size, caches.num_blocks)
+    if sinks:
+        paged_scatter(codes.sinks.keys, codes.sinks.values, *target, slots[:sinks])
+    if not coded:
+        return
+    matrix, offset = codec._folded(device, torch.float32)
+    folded = matrix if dtype == torch.float32 else codec._folded(device, fused.matrix_dtype(dtype))[0]
+    rows = codes.sorted_row.view(layout.groups, layout.width)[:, :matrix.shape[1]]
+    cos, sin = angles if angles is not None else codec.angles(codes.start + sinks, coded, device)
+    paged_decode(codes.sorted_codes, rows, folded, offset.view(layout.groups, layout.width), cos, sin, *target,
+                 slots[sinks:])
+
+
+def decode_paged(codec: ScdCodec, codes: SpaceCodes, caches: PagedCaches, slots: torch.Tensor,
+                 angles: tuple[torch.Tensor, torch.Tensor] | None = None, *, kernel: bool = True) -> bool:
+    """Decode ``codes`` into the paged ``caches`` at ``slots`` (``[T]`` int64, ``< 0``: skip); True where the
+    paged kernels ran, False where :func:`decode_paged_eager` did (no Triton, a CPU without the interpreter,
+    a codec the kernel does not compute, ``kernel=False``, or a kernel that did not build). Everything is
+    checked before anything is launched; the kernel path never waits for the device (CUDA-graph capturable,
+    given ``angles``). ``angles``: the coded tokens' RoPE half tables, else read at the codes' positions."""
+    check_paged(codec, codes, caches, slots, angles)
+    if kernel and reuse_only(codec) and available(caches.device, caches.head_dim):
+        try:
+            _launch(codec, codes, caches, slots, angles)
+            return True
+        except (ValueError, PayloadError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - a kernel that does not build costs speed, not the decode
+            log.warning("paged SCD decode kernel unavailable (%s); using the PyTorch path", exc)
+            _FAILED.add(str(caches.device))
+    decode_paged_eager(codec, codes, caches, slots, angles)
+    return False
