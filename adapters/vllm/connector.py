@@ -35,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from scd_store.adapters.vllm.engine_check import check_engine, check_groups
 from scd_store.adapters.vllm.hashing import chain_canary
+from scd_store.adapters.vllm.lookups import Lookups
 from scd_store.adapters.vllm.plan import StepPlan
 from scd_store.adapters.vllm.scheduler_side import SchedulerSide
 from scd_store.adapters.vllm.worker_side import WorkerSide
@@ -47,9 +48,11 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger("scd_store.adapters.vllm")
+SHUTDOWN_WAIT_S = 5.0  # how long shutdown waits for the fetch (and lookup) threads to leave the store
 
 
 def served_model_name(vllm_config: VllmConfig) -> str:
@@ -88,7 +91,9 @@ class ScdConnector(KVConnectorBase_V1):
             raise
         self._checked = {self.served_model}
         self._scheduler = SchedulerSide(self.service, self.served_model, block_size, self.skip_param,
-                                        async_loads=self.async_loads) if role == KVConnectorRole.SCHEDULER else None
+                                        async_loads=self.async_loads,
+                                        lookups=Lookups(self.service.lookup) if self.async_loads else None,
+                                        ) if role == KVConnectorRole.SCHEDULER else None
         self._worker = WorkerSide(self.service) if role == KVConnectorRole.WORKER else None
         log.info("scd-store vLLM connector (%s) for %r: models %s", role.name.lower(), self.served_model,
                  self.service.models())
@@ -129,7 +134,16 @@ class ScdConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         return self._scheduler.build(scheduler_output)
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """The loads the workers reported finished: an abort after this cancels nothing."""
+        super().update_connector_output(connector_output)
+        if self._scheduler is not None:
+            self._scheduler.loads_finished(connector_output.finished_recving or ())
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Forget the request (an asynchronous load still in flight is cancelled by the next step's plan). False:
+        nothing is saved asynchronously; vLLM itself keeps the blocks of a request aborted while
+        ``WAITING_FOR_REMOTE_KVS`` until the workers report its load, which they do once, cancelled or not."""
         if self._scheduler is not None:
             self._scheduler.finished(request)
         return False, None
@@ -142,7 +156,7 @@ class ScdConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         plan = self._get_connector_metadata()
-        if self._worker is not None and isinstance(plan, StepPlan) and plan.loads:
+        if self._worker is not None and isinstance(plan, StepPlan) and (plan.loads or plan.cancelled):
             self._worker.load(plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -169,10 +183,17 @@ class ScdConnector(KVConnectorBase_V1):
         return self._worker.failed_blocks() if self._worker is not None else set()
 
     def shutdown(self) -> None:
-        if self._scheduler is not None:
-            self._scheduler.close()
-        if self._worker is not None:
-            self._worker.close()
+        """Cancel the asynchronous loads (and lookups), wait for their threads, then release the service; one
+        still inside a load past the wait keeps the service open (left to the process's exit): it is never
+        closed under a thread that may still use it or write the engine's blocks."""
+        idle = self._scheduler.close(SHUTDOWN_WAIT_S) if self._scheduler is not None else True
+        idle = (self._worker.close(SHUTDOWN_WAIT_S) if self._worker is not None else True) and idle
         service, self.service = self.service, None
-        if service is not None:
-            self._close_service(service)
+        if service is None:
+            return
+        if not idle:
+            log.warning("scd-store: a load or lookup thread was still inside the store %.0f s after shutdown "
+                        "began; the service is left open for the process's exit rather than closed under it",
+                        SHUTDOWN_WAIT_S)
+            return
+        self._close_service(service)

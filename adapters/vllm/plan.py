@@ -72,9 +72,12 @@ class ChunkSave:
 
 @dataclass
 class StepPlan(KVConnectorMetadata):
-    """One step's loads and saves, and the consumer lookups since the last step (``(model, tokens)``,
-    counted where the loads happen so that process's hit rate is its own)."""
+    """One step's loads and saves, the consumer lookups since the last step (``(model, tokens)``,
+    counted where the loads happen so that process's hit rate is its own), and ``cancelled``: requests
+    that finished (aborted) while their asynchronous load was in flight (the worker stops it, and still
+    reports it finished once)."""
 
     loads: list[ChunkLoad] = field(default_factory=list)
     saves: list[ChunkSave] = field(default_factory=list)
     lookups: list[tuple[str, int]] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)

@@ -7,7 +7,9 @@ prompt's token ids (:func:`scd_store.service.hashing.chunk_hashes`), so every pr
 position is its index in the prompt. Requests whose tokens do not say what they hold (prompt
 embeddings, multimodal inputs) or that ask for an isolated cache (a ``cache_salt``) are neither
 stored nor served, counted as ``unkeyable_requests``. A request whose ``kv_transfer_params`` set
-``skip_param`` (``scd_skip_load: true``) computes its prompt itself (it may still be stored).
+``skip_param`` (``scd_skip_load: true``) computes its prompt itself (it may still be stored). With
+``lookups`` (the connector's, when ``async_loads`` is on) a consumer request's lookup runs on a lookup
+thread (:mod:`~scd_store.adapters.vllm.lookups`) and vLLM is answered None until it is in.
 
 A producer request's leading chunks that vLLM's own prefix cache held are not computed again, so
 they are not stored as they are computed; instead their presence in the store is checked off the
@@ -22,6 +24,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from scd_store.adapters.vllm.lookups import Lookups
 from scd_store.adapters.vllm.plan import ChunkLoad, ChunkSave, StepPlan, slots_of
 from scd_store.adapters.vllm.refill import Refill
 from scd_store.service import KVService
@@ -71,7 +74,8 @@ class SchedulerSide:
     """Matched tokens, load plans and save plans, one step at a time."""
 
     def __init__(self, service: KVService, served_model: str, block_size: int,
-                 skip_param: str = "scd_skip_load", refill: Refill | None = None, async_loads: bool = True) -> None:
+                 skip_param: str = "scd_skip_load", refill: Refill | None = None, async_loads: bool = True,
+                 lookups: Lookups | None = None) -> None:
         self.service = service
         self.skip_param = skip_param
         self.served_model = served_model
@@ -87,9 +91,12 @@ class SchedulerSide:
         self.refill = refill if refill is not None else Refill(service.readable_by_others)
         self._counted: set[str] = set()
         self._planned: set[str] = set()  # requests whose load was planned: offered no second one
+        self._loading: set[str] = set()  # asynchronous loads handed over that the workers have not reported
+        self._cancelled: list[str] = []  # requests that finished while loading: cancelled in the next plan
         self._unkeyed: set[str] = set()
         self._requests: dict[str, Any] = {}  # vLLM's Request objects (what a step's new-request data leaves out)
         self._incidents = service.incidents(log)
+        self.lookups = lookups  # None: lookups on the scheduler's thread (the answer is always in at once)
 
     def added(self, request: Any) -> None:
         """A request entered the scheduler."""
@@ -113,13 +120,14 @@ class SchedulerSide:
         return True
 
     # ------------------------------------------------------------ consumer hits
-    def matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+    def matched_tokens(self, request: Any, num_computed_tokens: int) -> int | None:
         """Tokens beyond ``num_computed_tokens`` a consumer request can load (0 for anyone else)."""
         return self.match(request, num_computed_tokens)[0]
 
-    def match(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def match(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens beyond ``num_computed_tokens`` a consumer request can load (0 for anyone else), and whether
-        they load asynchronously (some chunk only a remote tier holds; with ``async_loads``).
+        they load asynchronously (some chunk only a remote tier holds; with ``async_loads``). With
+        background ``lookups``, None while the request's lookup is out (vLLM asks again next step).
 
         The last prompt token is always left to the engine (it needs its logits). A request is offered one
         load: asked again once its load was planned (the load failed, or vLLM preempted it), it computes
@@ -137,7 +145,10 @@ class SchedulerSide:
         if request.request_id not in self._counted:  # asked again while it waits for blocks: one lookup
             self._counted.add(request.request_id)
             self._lookups.append((model, usable * self.chunk_size))
-        found = self.service.lookup(model, hashes)
+        found = self.service.lookup(model, hashes) if self.lookups is None else \
+            self.lookups.answer(request.request_id, model, hashes)
+        if found is None:
+            return None, False
         matched = found.chunks * self.chunk_size
         if matched <= num_computed_tokens:
             self._hits.pop(request.request_id, None)
@@ -149,10 +160,14 @@ class SchedulerSide:
     def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
         """Plan the load of a hit the scheduler accepted (``num_external_tokens`` of it)."""
         hit = self._hits.pop(request.request_id, None)
+        if self.lookups is not None:  # a later ask (after a preemption) looks up afresh
+            self.lookups.forget(request.request_id)
         if num_external_tokens <= 0 or hit is None:
             return
         model, hashes, asynchronous = hit
         self._planned.add(request.request_id)
+        if asynchronous:
+            self._loading.add(request.request_id)
         end = len(hashes) * self.chunk_size
         first = end - num_external_tokens
         self._loads.append(ChunkLoad(request.request_id, model, hashes, self.chunk_size, first, list(block_ids),
@@ -209,8 +224,10 @@ class SchedulerSide:
     def build(self, scheduler_output: Any) -> StepPlan:
         """This step's plan: the loads planned since the last step, producers' newly computed chunks, and
         the chunks of their prefix-cache hits the store lost (requests scheduled this step only)."""
-        plan = StepPlan(loads=self._loads, lookups=self._lookups)
-        self._loads, self._lookups = [], []
+        plan = StepPlan(loads=self._loads, lookups=self._lookups, cancelled=self._cancelled)
+        self._loads, self._lookups, self._cancelled = [], [], []
+        if self.lookups is not None:
+            self.lookups.new_step()
         scheduled = scheduler_output.num_scheduled_tokens
         for new_req in scheduler_output.scheduled_new_reqs:
             self._start_producing(new_req)
@@ -237,16 +254,28 @@ class SchedulerSide:
             self._save_ready(req_id, cached.num_computed_tokens[i] + scheduled.get(req_id, 0), plan.saves)
         return plan
 
+    def loads_finished(self, req_ids: Any) -> None:
+        """The asynchronous loads the workers reported finished (vLLM's ``finished_recving``)."""
+        self._loading.difference_update(req_ids)
+
     def finished(self, request: Any) -> None:
-        """Forget a finished request."""
+        """Forget a finished request; one whose asynchronous load is still in flight (aborted while vLLM held
+        it in ``WAITING_FOR_REMOTE_KVS``) has its load cancelled by the next step's plan. vLLM keeps its blocks
+        until the workers report the load finished, which they do once, cancelled or not."""
+        if request.request_id in self._loading:
+            self._loading.discard(request.request_id)
+            self._cancelled.append(request.request_id)
         self._producing.pop(request.request_id, None)
         self._refilling.pop(request.request_id, None)
         self._hits.pop(request.request_id, None)
         self._requests.pop(request.request_id, None)
+        if self.lookups is not None:
+            self.lookups.forget(request.request_id)
         self._counted.discard(request.request_id)
         self._planned.discard(request.request_id)
         self._unkeyed.discard(request.request_id)
 
-    def close(self) -> None:
-        """Stop the refill's thread."""
-        self.refill.close()
+    def close(self, timeout: float = 5.0) -> bool:
+        """Stop the refill's and the lookups' threads; False when a lookup thread is still inside the store."""
+        self.refill.close(timeout)
+        return self.lookups.close(timeout) if self.lookups is not None else True

@@ -84,20 +84,23 @@ class WorkerSide:
 
     def load(self, plan: StepPlan) -> None:
         """The step's loads: synchronous ones on the engine's thread before its forward, asynchronous ones
-        (hits held remotely) handed to the fetch thread (``vllm_load`` in the latency histogram: fetch,
-        decode and write)."""
+        (hits held remotely) handed to the fetch threads (``vllm_load`` in the latency histogram: fetch,
+        decode and write); then the asynchronous loads of requests that finished before their load did
+        are cancelled (after the submits: a load planned and cancelled in one step is still reported)."""
         for load in plan.loads:
             if load.asynchronous:
                 self._fetcher().submit(load)
             else:
                 self._failed |= self._load_and_time(load)
+        if plan.cancelled and self._async is not None:
+            self._async.cancel(plan.cancelled)
 
-    def _load_and_time(self, load: ChunkLoad) -> set[int]:
+    def _load_and_time(self, load: ChunkLoad, stopped: Callable[[], bool] | None = None) -> set[int]:
         """Load one hit; returns the blocks it could not fill (recomputed by vLLM). Timed as ``vllm_load``
-        (on the engine's thread) or ``vllm_async_load`` (on the fetch thread)."""
+        (on the engine's thread) or ``vllm_async_load`` (on a fetch thread, which may ``stopped()`` it)."""
         started = time.perf_counter()
         try:
-            loaded = self._load_one(load)
+            loaded = self._load_one(load, stopped)
         except Exception as exc:  # noqa: BLE001 - a load that fails is recomputed, never a failed step
             self._once.warn(f"load:{load.model}:{type(exc).__name__}", "scd-store: cannot load %r's codes into "
                             "vLLM's cache (recomputed; logged once per error): %s: %s", load.model,
@@ -120,13 +123,18 @@ class WorkerSide:
         self._failed |= failed
         return done
 
-    def close(self) -> None:
-        if self._async is not None:
-            self._async.close()
+    def close(self, timeout: float = 5.0) -> bool:
+        """Cancel the asynchronous loads and wait for the fetch threads; False when one is still inside a load
+        after ``timeout`` seconds (then the service it uses must stay open)."""
+        return self._async.close(timeout) if self._async is not None else True
 
-    def _load_one(self, load: ChunkLoad) -> int:
+    def _load_one(self, load: ChunkLoad, stopped: Callable[[], bool] | None = None) -> int:
         """Decode and write one request's hit; returns the tokens of the prompt now in its blocks. Chunks
-        wholly below ``first_token`` (in the engine's own prefix cache) are neither fetched nor decoded."""
+        wholly below ``first_token`` (in the engine's own prefix cache) are neither fetched nor decoded.
+        Once ``stopped()`` (a cancelled asynchronous load) no further chunk is decoded or written."""
+        halt = stopped if stopped is not None else _never
+        if halt():
+            return 0
         _, heads, _, width = self.caches[0].shape
         shape = (len(self.caches), heads, load.chunk_size, width // 2)
         dtype, device = self.caches[0].dtype, self.caches[0].device
@@ -146,7 +154,7 @@ class WorkerSide:
 
         def into(i: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
             nonlocal written
-            if tokens != load.chunk_size:
+            if tokens != load.chunk_size or halt():  # cancelled: chunk i - 1 is not written either
                 return None
             if pair:  # chunk i - 1 is decoded (the service asks for chunk i only then): write it first
                 write(i - 1)
@@ -157,9 +165,10 @@ class WorkerSide:
             return pair[0]
 
         states = self.service.get(load.model, load.hashes[skipped:], into=into)
-        if len(states) > written:  # the last chunk decoded is still in the buffers
+        if len(states) > written and not halt():  # the last chunk decoded is still in the buffers
             write(len(states) - 1)
-        return (skipped + len(states)) * load.chunk_size
+            written = len(states)
+        return (skipped + written) * load.chunk_size
 
     def failed_blocks(self) -> set[int]:
         """Blocks whose load failed since the last call (vLLM recomputes them)."""
@@ -231,6 +240,10 @@ class WorkerSide:
             if stored > 0:
                 self.service.count("refilled_chunks", stored, space=space)
         return done
+
+
+def _never() -> bool:
+    return False
 
 
 def device_index(values: list[int], device: torch.device) -> torch.Tensor:
