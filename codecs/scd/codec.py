@@ -74,11 +74,12 @@ class ScdCodec(Codec):
         self._matrices: dict[tuple, tuple[torch.Tensor, ...]] = {}  # folded (and centred) matrices per device
         self._patches: dict[str, dict] = {}
         # REUSE decodes on CUDA are launch-bound at serving lengths: replay them as CUDA graphs
-        reuse_only = decoder is not None and not decoder.patches and space.hidden is None \
-            and not space.layout.per_layer_rope and decoder.structure == "dense"  # one RoPE table, one matrix
+        # one RoPE table and one dense folded matrix: what the fused kernels (fused, paged_fused) compute
+        self.reuse_only = decoder is not None and not decoder.patches and space.hidden is None \
+            and not space.layout.per_layer_rope and decoder.structure == "dense"
         # opt-in until measured on a GPU: checked against the PyTorch path under Triton's interpreter only
-        self.fused_kernel = fused_kernel and reuse_only
-        self.graphs = DecodeGraphs(self) if cuda_graphs and reuse_only and torch.cuda.is_available() else None
+        self.fused_kernel = fused_kernel and self.reuse_only
+        self.graphs = DecodeGraphs(self) if cuda_graphs and self.reuse_only and torch.cuda.is_available() else None
 
     def encode(self, state: KVState) -> bytes:
         return self.space.encode(state)

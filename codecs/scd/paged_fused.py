@@ -203,14 +203,6 @@ def available(device: torch.device | str, head_dim: int) -> bool:
     return fused.available(device, head_dim) and str(torch.device(device)) not in _FAILED
 
 
-def reuse_only(codec: ScdCodec) -> bool:
-    """Whether ``codec`` decodes with one dense folded matrix and one RoPE table (what the kernel computes;
-    the condition ``ScdCodec`` puts on its own fused kernel)."""
-    decoder, space = codec.decoder, codec.space
-    return decoder is not None and not decoder.patches and space.hidden is None \
-        and not space.layout.per_layer_rope and decoder.structure == "dense"
-
-
 def _check_slots(slots: torch.Tensor, tokens: int, device: torch.device) -> None:
     if not isinstance(slots, torch.Tensor) or slots.dtype != torch.int64 or slots.shape != (tokens,) \
             or slots.device != device:
@@ -333,7 +325,7 @@ def decode_paged(codec: ScdCodec, codes: SpaceCodes, caches: PagedCaches, slots:
     checked before anything is launched; the kernel path never waits for the device (CUDA-graph capturable,
     given ``angles``). ``angles``: the coded tokens' RoPE half tables, else read at the codes' positions."""
     check_paged(codec, codes, caches, slots, angles)
-    if kernel and reuse_only(codec) and available(caches.device, caches.head_dim):
+    if kernel and codec.reuse_only and available(caches.device, caches.head_dim):
         try:
             _launch(codec, codes, caches, slots, angles)
             return True
