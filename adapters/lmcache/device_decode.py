@@ -34,7 +34,6 @@ _once = LogOnce(log)
 
 decode_device = resolve_decode_device  # the device ``decode_device`` names, checked at start
 
-CudaCopies = PrivateStreams  # the copies of a CUDA decode_device: on the calling thread's own stream
 
 
 class HostBatch:
