@@ -26,7 +26,6 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +33,7 @@ from typing import Any
 import torch
 
 from scd_store.adapters.vllm.plan import ChunkLoad
+from scd_store.adapters.vllm.threads import join_all, start_threads
 
 log = logging.getLogger("scd_store.adapters.vllm")
 
@@ -69,10 +69,7 @@ class AsyncLoads:
         self._failed: set[int] = set()
         self._in_flight = 0
         self._closing = False
-        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
-                         for i in range(workers)]
-        for thread in self._threads:
-            thread.start()
+        self._threads = start_threads(self._work, name, workers)
 
     def submit(self, load: ChunkLoad) -> None:
         """Start ``load`` off the engine's thread (never blocks); after :meth:`close`, reported at once unrun."""
@@ -119,10 +116,7 @@ class AsyncLoads:
             for job in self._running:
                 job.cancelled = True
             self._cond.notify_all()
-        deadline = time.monotonic() + timeout
-        for thread in self._threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-        return not any(thread.is_alive() for thread in self._threads)
+        return join_all(self._threads, timeout)
 
     def _report(self, job: _Job, failed: set[int]) -> None:
         """Hand ``job``'s outcome to :meth:`finished` (under the lock; once per job)."""

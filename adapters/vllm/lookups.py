@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from scd_store.adapters.vllm.threads import join_all, start_threads
 from scd_store.service import Lookup
 from scd_store.service.log_once import LogOnce
 
@@ -65,10 +66,7 @@ class Lookups:
         self._pending = 0  # lookups queued or running
         self._closing = False
         self._once = LogOnce(log)
-        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
-                         for i in range(workers)]
-        for thread in self._threads:
-            thread.start()
+        self._threads = start_threads(self._work, name, workers)
 
     def answer(self, req_id: str, model: str, hashes: list[bytes]) -> Lookup | None:
         """The request's lookup, or None while it is out (ask again next step); 0 hits past its deadline."""
@@ -103,10 +101,7 @@ class Lookups:
             self._closing = True
             self._queued.clear()
             self._cond.notify_all()
-        deadline = time.monotonic() + timeout
-        for thread in self._threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-        return not any(thread.is_alive() for thread in self._threads)
+        return join_all(self._threads, timeout)
 
     def _start(self, ask: _Ask) -> bool:
         """Queue ``ask`` when there is room; False while ``max_pending`` lookups are out (or closing)."""
