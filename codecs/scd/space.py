@@ -66,7 +66,7 @@ def head_group_basis(cov: torch.Tensor, layout: KVLayout, head_groups: int = 1) 
         eigvals, eigvecs = torch.linalg.eigh(cov)
         return eigvals.flip(-1).clamp_min(0), eigvecs.flip(-1)
     width = layout.width // head_groups
-    eigvals = torch.empty(cov.shape[:2], dtype=torch.float64)
+    eigvals = torch.empty(cov.shape[:2], dtype=torch.float64, device=cov.device)
     eigvecs = torch.zeros_like(cov)
     for r in range(head_groups):
         block = slice(r * width, (r + 1) * width)
