@@ -6,7 +6,9 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from scd_store.codecs.head_share import HeadShare
 from scd_store.codecs.kv_state import KVState
+from scd_store.codecs.paged import PagedCaches, check_fit, scatter_eager
 from scd_store.codecs.tensor_pack import PayloadError
 
 
@@ -32,18 +34,36 @@ class Codec(ABC):
         its header is read, before anything sized by its count is allocated (:func:`check_tokens`)."""
 
     def decode_into(self, payload: bytes | torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                    expect_tokens: int | None = None) -> KVState:
+                    expect_tokens: int | None = None, heads: HeadShare | None = None) -> KVState:
         """:meth:`decode` straight into ``keys`` / ``values`` ``[layers, kv_heads, tokens, head_dim]`` (any
         strides: an engine's buffers, on their device in their dtype); returns a state over them.
         Raises :class:`PayloadError` when the payload holds another number of tokens than they do (or
-        than ``expect_tokens``; without it, the buffers' token count is expected). This default decodes
-        and copies; codecs that can write in place override it."""
+        than ``expect_tokens``; without it, the buffers' token count is expected). ``heads``: the buffers
+        hold this share of the model's KV heads (a tensor-parallel rank's). This default decodes and
+        copies; codecs that can write in place override it."""
         state = self.decode(payload, device=keys.device, dtype=keys.dtype,
                             expect_tokens=buffer_tokens(keys, expect_tokens))
+        state = heads.narrow(state) if heads is not None else state
         check_buffers(state.keys.shape, keys, values)
         keys.copy_(state.keys)
         values.copy_(state.values)
         return KVState(keys, values, start=state.start)
+
+    def decode_paged(self, payload: bytes | torch.Tensor, caches: PagedCaches, slots: torch.Tensor,
+                     expect_tokens: int | None = None, heads: HeadShare | None = None) -> int:
+        """:meth:`decode` written into paged ``caches`` (an engine's blocks, on their device in their dtype): token
+        ``t`` at cache slot ``slots[t]`` (``[tokens]`` int64 on the caches' device; below 0: not written, e.g. a
+        token the engine already holds). Returns the tokens decoded. Everything is checked before anything is
+        written: :class:`PayloadError` for a payload of another token count than ``slots`` (or
+        ``expect_tokens``), ``ValueError`` for caches that cannot take it. ``heads``: the caches hold this
+        share of the model's KV heads. This default decodes, then scatters; codecs that can write in
+        place override it."""
+        tokens = slots.shape[0] if expect_tokens is None and slots.dim() == 1 else expect_tokens
+        state = self.decode(payload, device=caches.device, dtype=caches.dtype, expect_tokens=tokens)
+        state = heads.narrow(state) if heads is not None else state
+        check_fit(state.keys.shape, caches, slots)
+        scatter_eager(state.keys, state.values, caches, slots)
+        return state.num_tokens
 
     def encode_batch(self, states: list[KVState]) -> list[bytes]:
         return [self.encode(s) for s in states]

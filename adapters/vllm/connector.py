@@ -33,10 +33,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from scd_store.adapters.vllm.engine_check import check_engine, check_groups
+from scd_store.adapters.vllm.engine_check import check_engine, check_groups, check_tensor_parallel
 from scd_store.adapters.vllm.hashing import chain_canary
 from scd_store.adapters.vllm.lookups import Lookups
 from scd_store.adapters.vllm.plan import StepPlan
+from scd_store.adapters.vllm.ranks import rank_heads
 from scd_store.adapters.vllm.scheduler_side import SchedulerSide
 from scd_store.adapters.vllm.worker_side import WorkerSide
 from scd_store.service import EngineSettings, SettingsError, acquire_service, release_service
@@ -85,6 +86,9 @@ class ScdConnector(KVConnectorBase_V1):
                 log.info("scd-store: kv_load_failure_policy set to 'recompute' (a code that cannot be decoded is "
                          "recomputed by the engine, never a failed request)")
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
+            binding = self.service.binding(self.served_model)
+            check_tensor_parallel(vllm_config, binding.role if binding is not None else None,
+                                  self._kv_transfer_config.kv_role)
             self.check_hashing(self.served_model)
         except BaseException:
             self._close_service(self.service)
@@ -152,7 +156,7 @@ class ScdConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
         layers = self._vllm_config.compilation_config.static_forward_context
-        self._worker.register(kv_caches, layers)
+        self._worker.register(kv_caches, layers, rank_heads(self._vllm_config))
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         plan = self._get_connector_metadata()

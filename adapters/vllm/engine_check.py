@@ -2,12 +2,14 @@
 engine's config) and :func:`check_layers` (the attention layers and caches the worker registers).
 
 Served: vLLM-CPU and CUDA (FlashAttention, FlashInfer, Triton attention), bf16 / fp16 / fp32 caches in
-any ``KVCacheLayout``, tensor and pipeline parallel size 1. Refused: MLA (its latent cache is not a
+any ``KVCacheLayout``, consumers at any tensor-parallel size (each rank keeps its share of the heads of
+codes that cover them all), pipeline parallel size 1. Refused: MLA (its latent cache is not a
 model's K and V), quantised caches (fp8, nvfp4, ...: decoded codes would be rounded into a format
 the consumer's decoder was not distilled for), KV-sharing layers (one cache, two layers' K and V),
 other devices and backends (ROCm is not tested), speculative decoding (draft layers), more than one
-KV cache group or a spec other than full attention (vLLM recovers failed loads only then), and
-tensor or pipeline parallelism (a code space covers all KV heads and layers of the model).
+KV cache group or a spec other than full attention (vLLM recovers failed loads only then), pipeline
+parallelism (a code space covers all layers of the model), and a producer at tensor-parallel size > 1
+(:func:`check_tensor_parallel`: a code space is fitted on every head, and a rank holds a share).
 """
 
 from __future__ import annotations
@@ -29,9 +31,9 @@ def check_engine(vllm_config: Any) -> None:
         raise SettingsError(f"scd-store's vLLM connector serves vLLM on {' or '.join(DEVICES)}; this server runs "
                             f"on {device!r}")
     parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
-        raise SettingsError("scd-store's vLLM connector needs tensor and pipeline parallel size 1: a code space "
-                            "covers all KV heads and layers of the model")
+    if parallel.pipeline_parallel_size > 1:
+        raise SettingsError("scd-store's vLLM connector needs pipeline parallel size 1: a code space covers all "
+                            "layers of the model")
     if getattr(vllm_config.model_config, "use_mla", False):
         raise SettingsError("scd-store's vLLM connector does not serve MLA models: their latent cache is not the "
                             "per-head K and V a code space rebuilds")
@@ -44,6 +46,16 @@ def check_engine(vllm_config: Any) -> None:
                             "KV layers are not the code space's")
     if device == "cuda" and _rocm():
         raise SettingsError("scd-store's vLLM connector is not tested on ROCm; this server runs on an AMD GPU")
+
+
+def check_tensor_parallel(vllm_config: Any, role: str | None, kv_role: str) -> None:
+    """Refuse a producer at tensor-parallel size > 1 (``role``: the served model's binding role, None when it
+    has none yet; ``kv_role``: vLLM's): its chunks would be stored from one rank's share of the heads."""
+    size = vllm_config.parallel_config.tensor_parallel_size
+    if size > 1 and (role == "producer" or kv_role == "kv_producer"):
+        raise SettingsError(f"scd-store's vLLM connector stores a producer's KV at tensor-parallel size 1 only (this "
+                            f"server runs {size} ranks): a code space is fitted on every KV head, and a rank holds "
+                            "a share; serve the producer with --tensor-parallel-size 1 (consumers may use any)")
 
 
 def check_groups(kv_cache_config: Any) -> None:

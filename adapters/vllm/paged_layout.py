@@ -15,6 +15,11 @@ the op put it at. The map is then checked on random KV (written by the op, read 
 for bit) before it is used; a layout it cannot explain is refused (:class:`LayoutError`), never
 guessed. Everything runs on the cache's device, and reads index the engine's view through its own
 strides (never a flat ``view`` of it).
+
+Where the backend's op is checked to write ``[K | V]`` on the view's last axis, as vLLM's CUDA backends do
+(:func:`writes_kv_view`), a consumer's codes are decoded straight into the cache through a slot table
+(:func:`paged_target`, :meth:`Codec.decode_paged <scd_store.codecs.base.Codec.decode_paged>`), with no
+buffers and no op call; vLLM-CPU's packed keys fail that check and are written through the op.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any
 
 import torch
 
+from scd_store.codecs.paged import PagedCaches, kv_view, paged_caches
 from scd_store.errors import ScdStoreError
 
 DIGIT = 64  # every float dtype a KV cache is kept in (bf16 included) holds 1..64 exactly
@@ -117,12 +123,18 @@ def layer_maps(layers: list[Any], caches: list[torch.Tensor]) -> list[BlockMap]:
     probed: dict[tuple, BlockMap] = {}
     maps = []
     for layer, cache in zip(layers, caches, strict=True):
-        kind = (type(layer.impl), getattr(layer, "isa", None), getattr(layer.impl, "kv_cache_dtype", None),
-                tuple(cache.shape[1:]), memory_order(cache), cache.dtype, cache.device)
+        kind = layer_kind(layer, cache)
         if kind not in probed:
             probed[kind] = probe(layer, cache)
         maps.append(probed[kind])
     return maps
+
+
+def layer_kind(layer: Any, cache: torch.Tensor) -> tuple:
+    """What decides where a layer's op puts an element: its backend, ISA and KV dtype, and its cache's geometry,
+    memory order, dtype and device (layers alike in all of these write alike)."""
+    return (type(layer.impl), getattr(layer, "isa", None), getattr(layer.impl, "kv_cache_dtype", None),
+            tuple(cache.shape[1:]), memory_order(cache), cache.dtype, cache.device)
 
 
 def memory_order(cache: torch.Tensor) -> tuple[int, ...]:
@@ -149,3 +161,43 @@ def write_tokens(layer: Any, cache: torch.Tensor, keys: torch.Tensor, values: to
                  slots: torch.Tensor) -> None:
     """Write ``keys`` / ``values`` ``[tokens, kv_heads, head_dim]`` at ``slots`` with the backend's own op."""
     _write(layer, cache, keys.to(cache.dtype), values.to(cache.dtype), slots.to(cache.device))
+
+
+def writes_kv_view(layer: Any, cache: torch.Tensor) -> bool:
+    """Whether ``layer``'s backend op puts token ``t``'s key and value where :func:`kv_view` reads them
+    (``[K | V]`` on the last axis of each head's row, at ``[slot // block_size, :, slot % block_size]``), checked
+    on random KV written by the op into a scratch cache laid out like ``cache``, bit for bit."""
+    if cache.dim() != 4 or cache.shape[-1] % 2 or not cache.is_floating_point() or cache.element_size() < 2:
+        return False
+    _, heads, block, width = cache.shape
+    generator = torch.Generator().manual_seed(1)
+    keys, values = (torch.randn((2 * block, heads, width // 2), generator=generator).to(cache.dtype)
+                    for _ in range(2))
+    scratch = scratch_like(cache, 3)
+    slots = torch.arange(block // 2, block // 2 + 2 * block, dtype=torch.int64, device=cache.device)
+    try:
+        _write(layer, scratch, keys.to(cache.device), values.to(cache.device), slots)
+    except Exception:  # noqa: BLE001 - an op that cannot write a scratch cache is not one to write around
+        return False
+    view = kv_view(scratch)
+    rows, places = slots // block, slots % block
+    got_k, got_v = view[:, 0][rows, places].cpu(), view[:, 1][rows, places].cpu()  # [tokens, heads, dim]
+    return torch.equal(got_k, keys) and torch.equal(got_v, values) and int(scratch.count_nonzero()) == \
+        int(keys.count_nonzero()) + int(values.count_nonzero())
+
+
+def paged_target(layers: list[Any], caches: list[torch.Tensor]) -> PagedCaches | None:
+    """Every layer's cache as one :class:`PagedCaches` where each kind of layer's op writes what
+    :func:`kv_view` reads (:func:`writes_kv_view`) and the caches are alike in shape, strides and dtype;
+    None otherwise (write through the op)."""
+    checked: dict[tuple, bool] = {}
+    for layer, cache in zip(layers, caches, strict=True):
+        kind = layer_kind(layer, cache)
+        if kind not in checked:
+            checked[kind] = writes_kv_view(layer, cache)
+        if not checked[kind]:
+            return None
+    try:
+        return paged_caches(caches)
+    except ValueError:
+        return None

@@ -2,8 +2,11 @@
 chunks over.
 
 Loads run before the step's forward (``start_load_kv``): the consumer's codes are decoded on the
-cache's device (:meth:`KVService.get` into fresh ``[layers, kv_heads, chunk, head_dim]`` buffers
-there) and written into its blocks with the attention backend's own cache op. Tokens of chunks that
+cache's device. Where the backend's op is checked to write ``[K | V]`` as vLLM's CUDA backends do
+(:func:`~scd_store.adapters.vllm.paged_layout.paged_target`), they are decoded straight into the
+request's blocks through a slot table (:meth:`KVService.get_paged`: every layer in one kernel launch
+for the SCD codec); elsewhere (vLLM-CPU's packed keys) into one ``[layers, kv_heads, chunk, head_dim]``
+buffer pair there (:meth:`KVService.get`) written into the blocks with the backend's own cache op. Tokens of chunks that
 could not be decoded, for whatever reason, are reported as failed blocks, so vLLM recomputes them
 (the connector sets ``kv_load_failure_policy: recompute``); a load never fails the step. Saves run
 after the forward (``wait_for_save``): the engine's thread gathers the producer's new chunks' blocks
@@ -12,6 +15,10 @@ pinned host memory without waiting for it (:mod:`~scd_store.adapters.vllm.host_c
 them through the layout map, encoding and storing run on scd-store's put worker, off the engine's
 thread. Chunks stored again because the store had lost them
 (a save's ``refill``) are counted as ``refilled_chunks`` once stored.
+
+Under tensor parallelism each rank's worker holds its share of the KV heads (:class:`HeadShare`): a
+load decodes the codes (which cover every head) and keeps its rank's heads; a save from a share is
+refused (a producer runs at tensor-parallel size 1: a code space is fitted on every head).
 """
 
 from __future__ import annotations
@@ -27,10 +34,19 @@ import torch
 from scd_store.adapters.vllm.async_loads import AsyncLoads
 from scd_store.adapters.vllm.engine_check import check_layers
 from scd_store.adapters.vllm.host_copy import to_host
-from scd_store.adapters.vllm.paged_layout import BlockMap, LayoutError, layer_maps, read_tokens, write_tokens
+from scd_store.adapters.vllm.paged_layout import (
+    BlockMap,
+    LayoutError,
+    layer_maps,
+    paged_target,
+    read_tokens,
+    write_tokens,
+)
 from scd_store.adapters.vllm.plan import ChunkLoad, ChunkSave, StepPlan
+from scd_store.codecs.head_share import HeadShare
 from scd_store.codecs.kv_state import KVState
-from scd_store.service import KVService
+from scd_store.codecs.paged import PagedCaches
+from scd_store.service import KVService, PagedTargets
 from scd_store.service.log_once import LogOnce
 
 log = logging.getLogger("scd_store.adapters.vllm")
@@ -56,12 +72,16 @@ class WorkerSide:
         self.caches: list[torch.Tensor] = []
         self.layers: list[Any] = []
         self._maps: list[BlockMap] | None = None
+        self._paged: tuple[PagedCaches | None] | None = None  # decided once, on the first load
+        self.heads: HeadShare | None = None  # this rank's share of the KV heads (None: all of them)
         self._failed: set[int] = set()
         self._async: AsyncLoads | None = None
         self._once = LogOnce(log)
 
-    def register(self, kv_caches: dict[str, torch.Tensor], layers: dict[str, Any]) -> None:
-        """The engine's per-layer caches, and the attention layers that own them (their backend's op)."""
+    def register(self, kv_caches: dict[str, torch.Tensor], layers: dict[str, Any],
+                 heads: HeadShare | None = None) -> None:
+        """The engine's per-layer caches, the attention layers that own them (their backend's op) and, under
+        tensor parallelism, the rank's share of the KV heads the caches hold."""
         self.names = layer_order(list(kv_caches))
         self.caches = [kv_caches[name] for name in self.names]
         self.layers = [layers[name] for name in self.names]
@@ -70,12 +90,23 @@ class WorkerSide:
             if cache.dim() != 4:
                 raise LayoutError(f"KV cache {name!r} has shape {tuple(cache.shape)}: scd-store's vLLM connector "
                                   "reads vLLM's [blocks, kv_heads, block_size, 2*head_dim] cache views")
+            if heads is not None and cache.shape[1] != heads.count:
+                raise LayoutError(f"KV cache {name!r} holds {cache.shape[1]} heads; this rank's share is heads "
+                                  f"{heads.first}..{heads.first + heads.count - 1} of {heads.total}")
+        self.heads = heads if heads is not None and not heads.is_whole else None
 
     def maps(self) -> list[BlockMap]:
         """Each layer's gather map (derived from the backend's op on first use)."""
         if self._maps is None:
             self._maps = layer_maps(self.layers, self.caches)
         return self._maps
+
+    def paged(self) -> PagedCaches | None:
+        """The caches as one slot-table target where loads decode straight into them, else None (decided on
+        first use, from the backend's own op)."""
+        if self._paged is None:
+            self._paged = (paged_target(self.layers, self.caches),)
+        return self._paged[0]
 
     # ------------------------------------------------------------ loads
     def count_lookups(self, plan: StepPlan) -> None:
@@ -135,6 +166,9 @@ class WorkerSide:
         halt = stopped if stopped is not None else _never
         if halt():
             return 0
+        caches = self.paged()
+        if caches is not None:
+            return self._load_paged(load, caches, halt)
         _, heads, _, width = self.caches[0].shape
         shape = (len(self.caches), heads, load.chunk_size, width // 2)
         dtype, device = self.caches[0].dtype, self.caches[0].device
@@ -164,11 +198,31 @@ class WorkerSide:
                              torch.empty(shape, dtype=dtype, device=device)))
             return pair[0]
 
-        states = self.service.get(load.model, load.hashes[skipped:], into=into)
+        states = self.service.get(load.model, load.hashes[skipped:], into=into, **self._share())
         if len(states) > written and not halt():  # the last chunk decoded is still in the buffers
             write(len(states) - 1)
             written = len(states)
         return (skipped + written) * load.chunk_size
+
+    def _load_paged(self, load: ChunkLoad, caches: PagedCaches, halt: Callable[[], bool]) -> int:
+        """:meth:`_load_one` straight into the paged cache: chunk ``i``'s slot table is its tokens' slots, -1
+        for tokens below ``first_token`` (the engine's own prefix cache: not written)."""
+        skipped = load.first_token // load.chunk_size
+        below = load.first_token - skipped * load.chunk_size
+        table = device_index([-1] * below + list(load.slots), caches.device)
+
+        def slots(i: int, tokens: int) -> torch.Tensor | None:
+            if tokens != load.chunk_size or halt() or (i + 1) * tokens > table.shape[0]:
+                return None
+            return table[i * tokens:(i + 1) * tokens]
+
+        written = self.service.get_paged(load.model, load.hashes[skipped:], PagedTargets(caches, slots),
+                                         **self._share())
+        return (skipped + written) * load.chunk_size
+
+    def _share(self) -> dict[str, HeadShare]:
+        """The get's ``heads`` argument on a rank holding a share of the heads (none otherwise)."""
+        return {"heads": self.heads} if self.heads is not None else {}
 
     def failed_blocks(self) -> set[int]:
         """Blocks whose load failed since the last call (vLLM recomputes them)."""
@@ -179,6 +233,12 @@ class WorkerSide:
     def save(self, plan: StepPlan) -> None:
         """Copy the step's producer chunks' blocks out of the paged cache (the engine's thread waits for this
         copy only: ``vllm_save_copy`` in the latency histogram) and hand them to the put worker."""
+        if plan.saves and self.heads is not None:
+            self._once.warn("save-share", "scd-store: a tensor-parallel rank holds heads %d..%d of %d; a code space "
+                            "is fitted on every head, so producers run at tensor-parallel size 1: not storing "
+                            "(logged once)", self.heads.first, self.heads.first + self.heads.count - 1,
+                            self.heads.total)
+            return
         for save in plan.saves:
             started = time.perf_counter()
             try:

@@ -9,8 +9,10 @@ import torch
 
 from scd_store.codecs.base import Codec, check_buffers
 from scd_store.codecs.device_cache import published
+from scd_store.codecs.head_share import HeadShare
 from scd_store.codecs.kv_state import KVState
-from scd_store.codecs.scd import fused
+from scd_store.codecs.paged import PagedCaches
+from scd_store.codecs.scd import fused, paged_fused
 from scd_store.codecs.scd.decoder import PairDecoder, apply_map, centred_codes, code_centres
 from scd_store.codecs.scd.graphs import DecodeGraphs
 from scd_store.codecs.scd.layout import write_token_major
@@ -163,18 +165,37 @@ class ScdCodec(Codec):
 
     @torch.no_grad()
     def decode_into(self, payload: bytes | torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                    expect_tokens: int | None = None) -> KVState:
+                    expect_tokens: int | None = None, heads: HeadShare | None = None) -> KVState:
         """:meth:`decode` written straight into an engine's buffers (any strides; no copy, and no fresh
         output pages: on a CPU those cost a long prefix more than the decode's maths). The payload's token
         count is checked against ``expect_tokens`` and the buffers' before its sections are unpacked. On
-        CUDA this runs eagerly (CUDA graphs own their output buffers)."""
+        CUDA this runs eagerly (CUDA graphs own their output buffers). A share of the heads (``heads``: a
+        tensor-parallel rank's) decodes every head, then keeps its own (:meth:`Codec.decode_into`)."""
         self._require_decoder()
+        if heads is not None and not heads.is_whole:
+            return super().decode_into(payload, keys, values, expect_tokens, heads)
         _, meta, tensors = unpack(payload, CODEC_ID)
         tokens = self.space.counts(meta, expect_tokens)[1]
         layout = self.space.layout
         check_buffers((layout.num_layers, layout.kv_heads, tokens, layout.head_dim), keys, values)
         codes = self.space.codes_from(meta, tensors, keys.device)
         return self.decode_codes(codes, keys.device, keys.dtype, out=(keys, values))
+
+    @torch.no_grad()
+    def decode_paged(self, payload: bytes | torch.Tensor, caches: PagedCaches, slots: torch.Tensor,
+                     expect_tokens: int | None = None, heads: HeadShare | None = None) -> int:
+        """:meth:`Codec.decode_paged`: the payload's codes unpacked on the caches' device and written through
+        the slot table by the paged fused kernel (:func:`paged_fused.decode_paged`: one launch for every layer
+        where Triton runs, its PyTorch reference elsewhere). A share of the heads decodes every head, then
+        scatters its own (:meth:`Codec.decode_paged`)."""
+        self._require_decoder()
+        if heads is not None and not heads.is_whole:
+            return super().decode_paged(payload, caches, slots, expect_tokens, heads)
+        _, meta, tensors = unpack(payload, CODEC_ID)
+        tokens = self.space.counts(meta, slots.shape[0] if expect_tokens is None else expect_tokens)[1]
+        codes = self.space.codes_from(meta, tensors, caches.device)
+        paged_fused.decode_paged(self, codes, caches, slots)
+        return tokens
 
     def _require_decoder(self) -> None:
         if self.decoder is None:

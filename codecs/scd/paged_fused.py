@@ -7,13 +7,10 @@ of every layer, cast to the cache's dtype; a second, small launch copies the pay
 A slot below 0 (or past the cache) skips its token. :func:`decode_paged_eager` does the same with the
 codec's own decode and a PyTorch scatter: the reference, and the fallback on a CPU or without Triton.
 
-Caches are described by :class:`PagedCaches` (:func:`paged_caches`): each layer's logical
-``[blocks, 2 (K / V), block_size, kv_heads, head_dim]`` view with any element strides (alike for all
-layers), and one ``[layers]`` int64 table of each layer's first element, counted from the
-lowest-addressed layer: one launch writes all layers whether they are views of one allocation (vLLM's
-``KVCacheTensor``) or separate tensors. vLLM 0.32's CUDA backends hand ``[blocks, kv_heads, block_size,
-2 * head_dim]`` views with ``[K | V]`` on the last axis; :func:`kv_view` reads them as the logical view
-(vLLM-CPU packs keys for its own kernels: write those caches through the backend's op instead).
+Caches are :class:`~scd_store.codecs.paged.PagedCaches` (any element strides, one table of each layer's
+first element: one launch writes all layers whether they are views of one allocation, vLLM's
+``KVCacheTensor``, or separate tensors). The codec is duck-typed (:class:`FusedCodec`): this module
+imports nothing of :mod:`~scd_store.codecs.scd.codec`, which calls it.
 """
 
 from __future__ import annotations
@@ -21,21 +18,32 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from scd_store.codecs.paged import (
+    CACHE_DTYPES,
+    PagedCaches,
+    check_slots,
+    kv_view,
+    paged_caches,
+    scatter_eager,
+    slot_table,
+)
 from scd_store.codecs.scd import fused
 from scd_store.codecs.tensor_pack import PayloadError
 
 if TYPE_CHECKING:
-    from scd_store.codecs.scd.codec import ScdCodec
-    from scd_store.codecs.scd.space import SpaceCodes
+    from scd_store.codecs.scd.decoder import PairDecoder
+    from scd_store.codecs.scd.space import CodeSpace, SpaceCodes
+
+__all__ = ["CACHE_DTYPES", "FusedCodec", "PagedCaches", "available", "check_paged", "decode_paged",
+           "decode_paged_eager", "kv_view", "paged_caches", "paged_decode", "paged_scatter", "scatter_eager",
+           "slot_table"]
 
 log = logging.getLogger(__name__)
 
-CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _FAILED: set[str] = set()  # devices where a paged kernel did not build: they decode eagerly from then on
 
 
@@ -116,97 +124,25 @@ def _kernels():  # noqa: ANN202 - two triton.JITFunctions
     return decode_kernel, scatter_kernel
 
 
-@dataclass(frozen=True, slots=True)
-class PagedCaches:
-    """Every layer's paged cache as the kernels address it; build once (:func:`paged_caches`), reuse per decode."""
+class FusedCodec(Protocol):
+    """What the paged decode reads of an SCD codec (:class:`~scd_store.codecs.scd.codec.ScdCodec`)."""
 
-    layers: tuple[torch.Tensor, ...]  # [blocks, 2, block_size, kv_heads, head_dim] views, alike in shape and strides
-    base: torch.Tensor  # the lowest-addressed layer's view: the kernels' base pointer
-    offsets: torch.Tensor  # [layers] int64 on the caches' device: each layer's first element, in elements from base
+    space: CodeSpace
+    decoder: PairDecoder | None
+    reuse_only: bool
 
-    @property
-    def strides(self) -> tuple[int, int, int, int, int]:
-        """Element strides of (block, K / V, position in block, head, dim)."""
-        return tuple(self.base.stride())  # type: ignore[return-value]
+    def decode_codes(self, codes: SpaceCodes, device, dtype: torch.dtype,
+                     angles: tuple[torch.Tensor, torch.Tensor] | None = None): ...  # noqa: ANN201
 
-    @property
-    def num_blocks(self) -> int:
-        return self.base.shape[0]
+    def angles(self, start: int, tokens: int, device) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    @property
-    def block_size(self) -> int:
-        return self.base.shape[2]
-
-    @property
-    def heads(self) -> int:
-        return self.base.shape[3]
-
-    @property
-    def head_dim(self) -> int:
-        return self.base.shape[4]
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.base.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.base.device
-
-
-def kv_view(cache: torch.Tensor) -> torch.Tensor:
-    """vLLM's CUDA-backend view ``[blocks, kv_heads, block_size, 2 * head_dim]`` (``[K | V]`` last) as the
-    logical ``[blocks, 2, block_size, kv_heads, head_dim]`` view of the same memory."""
-    if cache.dim() != 4 or cache.shape[-1] % 2:
-        raise ValueError(f"expected a [blocks, kv_heads, block_size, 2*head_dim] cache view, got {tuple(cache.shape)}")
-    return cache.unflatten(3, (2, cache.shape[-1] // 2)).permute(0, 3, 2, 1, 4)
-
-
-def paged_caches(caches: Sequence[torch.Tensor]) -> PagedCaches:
-    """:class:`PagedCaches` of per-layer caches: vLLM's 4-d views (:func:`kv_view`) or logical 5-d
-    ``[blocks, 2, block_size, kv_heads, head_dim]`` views, alike in shape, strides, dtype and device."""
-    if not caches:
-        raise ValueError("paged_caches: no layer caches")
-    views = tuple(kv_view(c) if c.dim() == 4 else c for c in caches)
-    first = views[0]
-    if first.dim() != 5 or first.shape[1] != 2:
-        raise ValueError(f"expected [blocks, 2, block_size, kv_heads, head_dim] cache views, got {tuple(first.shape)}")
-    if first.dtype not in CACHE_DTYPES:
-        raise ValueError(f"a {first.dtype} KV cache cannot carry decoded codes (one of {CACHE_DTYPES})")
-    for v in views:
-        if v.shape != first.shape or v.stride() != first.stride() or v.dtype != first.dtype \
-                or v.device != first.device:
-            raise ValueError("paged_caches: the layers' caches differ in shape, strides, dtype or device")
-    pointers = [v.data_ptr() for v in views]
-    low = min(range(len(views)), key=pointers.__getitem__)
-    size = first.element_size()
-    if any((p - pointers[low]) % size for p in pointers):
-        raise ValueError("paged_caches: the layers' caches are not element-aligned to one another")
-    offsets = torch.tensor([(p - pointers[low]) // size for p in pointers], dtype=torch.int64)
-    return PagedCaches(views, views[low], offsets.to(first.device))
-
-
-def slot_table(block_ids: Sequence[int], first_offset: int, tokens: int, block_size: int,
-               device: torch.device | str = "cpu") -> torch.Tensor:
-    """``[tokens]`` int64 slots of tokens laid from offset ``first_offset`` of ``block_ids[0]`` on, block after
-    block (vLLM's ``slot_mapping``: ``block_id * block_size + offset``)."""
-    if not 0 <= first_offset < block_size or first_offset + tokens > len(block_ids) * block_size:
-        raise ValueError(f"{tokens} tokens from offset {first_offset} do not fit {len(block_ids)} blocks")
-    places = torch.arange(first_offset, first_offset + tokens, dtype=torch.int64)
-    ids = torch.tensor(list(block_ids), dtype=torch.int64)
-    return (ids[places // block_size] * block_size + places % block_size).to(device)
+    def _folded(self, device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def available(device: torch.device | str, head_dim: int) -> bool:
     """Whether the paged kernels run for ``device`` and ``head_dim`` (:func:`fused.available`: CUDA with
     Triton, or Triton's interpreter; a power-of-two head_dim from 32)."""
     return fused.available(device, head_dim) and str(torch.device(device)) not in _FAILED
-
-
-def _check_slots(slots: torch.Tensor, tokens: int, device: torch.device) -> None:
-    if not isinstance(slots, torch.Tensor) or slots.dtype != torch.int64 or slots.shape != (tokens,) \
-            or slots.device != device:
-        raise ValueError(f"slots must be a [{tokens}] int64 tensor on {device}")
 
 
 def _check_target(cache: torch.Tensor, layer_offsets: torch.Tensor, strides: Sequence[int], block_size: int) -> None:
@@ -232,7 +168,7 @@ def paged_decode(sorted_codes: torch.Tensor, rows: torch.Tensor, matrix: torch.T
             or sin.shape != cos.shape or offset.shape != (groups, width) or sorted_codes.stride(1) != 1 \
             or sorted_codes.shape[1] != tokens:
         raise ValueError("paged_decode: shapes or strides do not match")
-    _check_slots(slots, tokens, cache.device)
+    check_slots(slots, tokens, cache.device)
     if not tokens:
         return
     grid = (groups, -(-tokens // fused.BLOCK_T), width // (2 * half))
@@ -249,7 +185,7 @@ def paged_scatter(keys: torch.Tensor, values: torch.Tensor, cache: torch.Tensor,
     if keys.dim() != 4 or keys.shape != values.shape or keys.shape[0] != layer_offsets.shape[0]:
         raise ValueError("paged_scatter: shapes do not match")
     layers, heads, tokens, dim = keys.shape
-    _check_slots(slots, tokens, cache.device)
+    check_slots(slots, tokens, cache.device)
     if not tokens:
         return
     grid = (2 * layers, -(-tokens // fused.BLOCK_T), heads)
@@ -257,17 +193,7 @@ def paged_scatter(keys: torch.Tensor, values: torch.Tensor, cache: torch.Tensor,
                         *values.stride(), *strides, BLOCK_SIZE=block_size, DIM=dim, BT=fused.BLOCK_T)
 
 
-def scatter_eager(keys: torch.Tensor, values: torch.Tensor, caches: PagedCaches, slots: torch.Tensor) -> None:
-    """PyTorch :func:`paged_scatter`: keys and values ``[L, H, T, D]`` into ``caches`` at ``slots``."""
-    keep = (slots >= 0) & (slots < caches.num_blocks * caches.block_size)
-    tokens = keep.nonzero().squeeze(1)
-    blocks, positions = slots[tokens] // caches.block_size, slots[tokens] % caches.block_size
-    for layer, view in enumerate(caches.layers):
-        view[:, 0][blocks, positions] = keys[layer][:, tokens].transpose(0, 1).to(caches.dtype)
-        view[:, 1][blocks, positions] = values[layer][:, tokens].transpose(0, 1).to(caches.dtype)
-
-
-def check_paged(codec: ScdCodec, codes: SpaceCodes, caches: PagedCaches, slots: torch.Tensor,
+def check_paged(codec: FusedCodec, codes: SpaceCodes, caches: PagedCaches, slots: torch.Tensor,
                 angles: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Raise ``ValueError`` where the codes, caches, slot table or angles do not fit ``codec`` and each other."""
     if codec.decoder is None:
@@ -277,7 +203,7 @@ def check_paged(codec: ScdCodec, codes: SpaceCodes, caches: PagedCaches, slots: 
             or caches.head_dim != layout.head_dim:
         raise ValueError(f"caches of {len(caches.layers)} layers x {caches.heads} heads x {caches.head_dim} dims; "
                          f"the codec decodes {layout.num_layers} x {layout.kv_heads} x {layout.head_dim}")
-    _check_slots(slots, codes.num_tokens, caches.device)
+    check_slots(slots, codes.num_tokens, caches.device)
     if codes.sorted_codes.device != caches.device:
         raise ValueError(f"codes on {codes.sorted_codes.device}, caches on {caches.device}")
     coded = codes.num_tokens - (codes.sinks.num_tokens if codes.sinks is not None else 0)
@@ -286,7 +212,7 @@ def check_paged(codec: ScdCodec, codes: SpaceCodes, caches: PagedCaches, slots: 
         raise ValueError(f"angles must be [{coded}, {layout.head_dim // 2}] tables on {caches.device}")
 
 
-def decode_paged_eager(codec: ScdCodec, codes: SpaceCodes, caches: PagedCaches, slots: torch.Tensor,
+def decode_paged_eager(codec: FusedCodec, codes: SpaceCodes, caches: PagedCaches, slots: torch.Tensor,
                        angles: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """The reference: the codec's own decode to ``[L, H, T, D]`` in the caches' dtype, then :func:`scatter_eager`."""
     check_paged(codec, codes, caches, slots, angles)
@@ -294,7 +220,7 @@ def decode_paged_eager(codec: ScdCodec, codes: SpaceCodes, caches: PagedCaches, 
     scatter_eager(state.keys, state.values, caches, slots)
 
 
-def _launch(codec: ScdCodec, codes: SpaceCodes, caches: PagedCaches, slots: torch.Tensor,
+def _launch(codec: FusedCodec, codes: SpaceCodes, caches: PagedCaches, slots: torch.Tensor,
             angles: tuple[torch.Tensor, torch.Tensor] | None) -> None:
     layout, device, dtype = codec.space.layout, caches.device, caches.dtype
     sinks = codes.sinks.num_tokens if codes.sinks is not None else 0
@@ -317,7 +243,7 @@ def _launch(codec: ScdCodec, codes: SpaceCodes, caches: PagedCaches, slots: torc
                  slots[sinks:])
 
 
-def decode_paged(codec: ScdCodec, codes: SpaceCodes, caches: PagedCaches, slots: torch.Tensor,
+def decode_paged(codec: FusedCodec, codes: SpaceCodes, caches: PagedCaches, slots: torch.Tensor,
                  angles: tuple[torch.Tensor, torch.Tensor] | None = None, *, kernel: bool = True) -> bool:
     """Decode ``codes`` into the paged ``caches`` at ``slots`` (``[T]`` int64, ``< 0``: skip); True where the
     paged kernels ran, False where :func:`decode_paged_eager` did (no Triton, a CPU without the interpreter,

@@ -28,6 +28,7 @@ import torch
 from scd_store.adapters.vllm.connector import ScdConnector
 from scd_store.codecs.baselines import RawCodec
 from scd_store.codecs.kv_state import KVState
+from scd_store.codecs.paged import scatter_eager
 from scd_store.codecs.tensor_pack import PayloadError
 from scd_store.service.results import Lookup
 from scd_store.store.log_once import Incidents
@@ -110,6 +111,18 @@ class RawKVDirectory:
                 buffers[1].copy_(state.values)
             states.append(state)
         return states
+
+    def get_paged(self, model: str, hashes: Sequence[bytes], into: Any) -> int:
+        """:meth:`get` scattered into an engine's paged cache (``into``: a ``PagedTargets``); chunks written."""
+        written = 0
+        for i, state in enumerate(self.get(model, hashes)):
+            slots = into.slots(i, state.num_tokens)
+            if slots is None:
+                break
+            device = into.caches.device
+            scatter_eager(state.keys.to(device), state.values.to(device), into.caches, slots)
+            written += 1
+        return written
 
     def submit_put(self, model: str, hashes: Sequence[bytes], states: Callable[[], Sequence[KVState] | None],
                    **_: Any) -> bool:

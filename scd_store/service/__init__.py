@@ -8,7 +8,7 @@ Engine adapters import nothing from :mod:`scd_store.store` (an import-linter con
 """
 
 from scd_store.service.bindings import Binding, ServiceError, pair_id_for
-from scd_store.service.kv_service import Buffers, KVService
+from scd_store.service.kv_service import Buffers, KVService, PagedTargets
 from scd_store.service.put_path import UncodableChunks
 from scd_store.service.results import Lookup
 from scd_store.service.settings import EngineSettings, SettingsError
@@ -20,6 +20,7 @@ __all__ = [
     "EngineSettings",
     "KVService",
     "Lookup",
+    "PagedTargets",
     "ServiceError",
     "SettingsError",
     "UncodableChunks",

@@ -1,7 +1,8 @@
 """A consumer get's decode loop: :class:`DecodeLoop` turns the store's chunks into KV, chunk by chunk.
 
-Chunks decode in order into fresh tensors or, through the caller's ``into(i, tokens)``, straight into
-an engine's buffers. The run ends at the first chunk the codec refuses (``refused_chunks``: a miss
+Chunks decode in order into fresh tensors, through the caller's ``into(i, tokens)`` straight into
+an engine's buffers (:meth:`DecodeLoop.run`), or through a slot table straight into an engine's paged
+cache (:meth:`DecodeLoop.run_paged`). The run ends at the first chunk the codec refuses (``refused_chunks``: a miss
 from there on, never garbage), at the first chunk ``into`` has no room for, or once the get's
 deadline has passed (``deadline_chunks``: the chunks decoded so far are the hit).
 
@@ -14,11 +15,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 
+from scd_store.codecs.head_share import HeadShare
 from scd_store.codecs.kv_state import KVState
+from scd_store.codecs.paged import PagedCaches
 from scd_store.codecs.tensor_pack import PayloadError
 from scd_store.service.bindings import Binding
 from scd_store.store.log_once import Incidents
@@ -31,6 +35,16 @@ from scd_store.store.views import CodeChunk
 Buffers = Callable[[int, int], tuple[torch.Tensor, torch.Tensor] | None]
 
 log = logging.getLogger("scd_store.service")
+
+
+@dataclass(frozen=True, slots=True)
+class PagedTargets:
+    """Where a get writes straight into an engine's paged cache: every layer's ``caches`` and ``slots(i, tokens)``,
+    chunk ``i``'s ``[tokens]`` int64 slot table on the caches' device (below 0: a token not written), or None to
+    end the run there (asked for chunk ``i`` only once chunk ``i - 1`` is written)."""
+
+    caches: PagedCaches
+    slots: Callable[[int, int], torch.Tensor | None]
 
 
 def same_device(a: torch.device, b: torch.device) -> bool:
@@ -65,30 +79,64 @@ class DecodeLoop:
         return started + self.deadline_s if self.deadline_s is not None else float("inf")
 
     def run(self, binding: Binding, chunks: Sequence[CodeChunk], *, deadline: float, device: torch.device,
-            dtype: torch.dtype, into: Buffers | None) -> list[KVState]:
-        """The states of the leading run of ``chunks`` that decode before ``deadline``."""
-        t0 = time.perf_counter()
+            dtype: torch.dtype, into: Buffers | None, heads: HeadShare | None = None) -> list[KVState]:
+        """The states of the leading run of ``chunks`` that decode before ``deadline`` (into buffers holding the
+        share ``heads`` of the KV heads, when given)."""
+        started = time.perf_counter()
         states: list[KVState] = []
+        for i, chunk in self._each(binding, chunks, deadline):
+            buffers = into(i, chunk.token_count) if into is not None else None
+            if into is not None and buffers is None:
+                break
+            state = self._decode(binding, chunk, buffers, device, dtype, heads)
+            if state is None:
+                break
+            states.append(state)
+        self._observe(binding, chunks, started)
+        return states
+
+    def run_paged(self, binding: Binding, chunks: Sequence[CodeChunk], *, deadline: float,
+                  into: PagedTargets, heads: HeadShare | None = None) -> int:
+        """How many of the leading ``chunks`` were written into ``into``'s paged cache before ``deadline``."""
+        started = time.perf_counter()
+        written = 0
+        for i, chunk in self._each(binding, chunks, deadline):
+            slots = into.slots(i, chunk.token_count)
+            if slots is None:
+                break
+            try:
+                tokens = binding.codec.decode_paged(payload_on(chunk, into.caches.device), into.caches, slots,
+                                                    expect_tokens=chunk.token_count, heads=heads)
+                if tokens != chunk.token_count:  # a second line of defence
+                    raise PayloadError(f"it decodes to {tokens} tokens; its header says {chunk.token_count}")
+            except PayloadError as exc:
+                self._refused(binding, chunk, exc)
+                break
+            written += 1
+        self._observe(binding, chunks, started)
+        return written
+
+    def _each(self, binding: Binding, chunks: Sequence[CodeChunk], deadline: float) -> Iterator[tuple[int, CodeChunk]]:
+        """``(i, chunk)`` in order while ``deadline`` has not passed (then counted and logged once)."""
         for i, chunk in enumerate(chunks):
             if time.perf_counter() > deadline:
                 self.incidents.count("deadline_chunks", "scd-store: a get passed its %.2f s deadline; the chunks "
                                      "decoded so far are the hit (counted as deadline_chunks; logged once)",
                                      self.deadline_s, n=len(chunks) - i, once="deadline",
                                      space=binding.space.space_id, pair=binding.pair_id)
-                break
-            buffers = into(i, chunk.token_count) if into is not None else None
-            if into is not None and buffers is None:
-                break
-            state = self._decode(binding, chunk, buffers, device, dtype)
-            if state is None:
-                break
-            states.append(state)
+                return
+            yield i, chunk
+
+    def _observe(self, binding: Binding, chunks: Sequence[CodeChunk], started: float) -> None:
         if chunks:
-            self.stats.observe("decode", time.perf_counter() - t0, pair=binding.pair_id)
-        return states
+            self.stats.observe("decode", time.perf_counter() - started, pair=binding.pair_id)
+
+    def _refused(self, binding: Binding, chunk: CodeChunk, exc: PayloadError) -> None:
+        self.stats.inc("refused_chunks", tier=chunk.tier, space=binding.space.space_id, pair=binding.pair_id)
+        log.warning("scd-store: chunk %s refused (a miss from here on): %s", chunk.key, exc)
 
     def _decode(self, binding: Binding, chunk: CodeChunk, buffers: tuple[torch.Tensor, torch.Tensor] | None,
-                device: torch.device, dtype: torch.dtype) -> KVState | None:
+                device: torch.device, dtype: torch.dtype, heads: HeadShare | None = None) -> KVState | None:
         """One chunk's state, or None when the codec refuses it (counted and logged)."""
         try:  # the blob header's token count (bounded by the store) bounds the decode before it allocates
             if buffers is None:  # no copy: unpack takes views
@@ -96,11 +144,10 @@ class DecodeLoop:
                                              expect_tokens=chunk.token_count)
             else:  # the buffers' device is the decode's
                 state = binding.codec.decode_into(payload_on(chunk, buffers[0].device), *buffers,
-                                                  expect_tokens=chunk.token_count)
+                                                  expect_tokens=chunk.token_count, heads=heads)
             if state.num_tokens != chunk.token_count:  # a second line of defence
                 raise PayloadError(f"it decodes to {state.num_tokens} tokens; its header says {chunk.token_count}")
         except PayloadError as exc:
-            self.stats.inc("refused_chunks", tier=chunk.tier, space=binding.space.space_id, pair=binding.pair_id)
-            log.warning("scd-store: chunk %s refused (a miss from here on): %s", chunk.key, exc)
+            self._refused(binding, chunk, exc)
             return None
         return state

@@ -24,10 +24,11 @@ from typing import Any
 
 import torch
 
+from scd_store.codecs.head_share import HeadShare
 from scd_store.codecs.kv_state import KVState
 from scd_store.service.bindings import Binding, Bindings
 from scd_store.service.bundles import bind_bundle
-from scd_store.service.decode_loop import Buffers, DecodeLoop
+from scd_store.service.decode_loop import Buffers, DecodeLoop, PagedTargets
 from scd_store.service.defaults import DISCOVERY_INTERVAL_S, MAX_POSITIONS, PUT_QUEUE_BYTES, PUT_QUEUE_CHUNKS
 from scd_store.service.discovery import PairDiscovery
 from scd_store.service.hash_agreement import HashAgreement, HashCanary
@@ -40,7 +41,7 @@ from scd_store.store.log_once import Incidents
 from scd_store.store.tiered import TieredStore
 from scd_store.store.views import ConsumerView, ProducerView
 
-__all__ = ["Buffers", "KVService"]
+__all__ = ["Buffers", "KVService", "PagedTargets"]
 
 log = logging.getLogger("scd_store.service")
 
@@ -262,7 +263,8 @@ class KVService:
         return self._access.call("get", lambda: sum(len(chunk.payload) for chunk in consumer.get(hashes)), 0)
 
     def get(self, model: str, hashes: Sequence[bytes], *, device: torch.device | str = "cpu",
-            dtype: torch.dtype = torch.float32, into: Buffers | None = None) -> list[KVState]:
+            dtype: torch.dtype = torch.float32, into: Buffers | None = None,
+            heads: HeadShare | None = None) -> list[KVState]:
         """A consumer's KV for the leading run of ``hashes`` held in the store, one state per chunk.
 
         Unknown models and producers (whose own cache is raw) get ``[]``; a chunk whose payload the
@@ -270,20 +272,43 @@ class KVService:
         when given, returns the engine's ``(keys, values)`` buffers ``[layers, kv_heads, tokens,
         head_dim]`` for chunk ``i`` (their device and dtype win over ``device`` / ``dtype``), or None to
         end the run there: chunks decode straight into them (``Codec.decode_into``). Past the service's
-        ``get_deadline_s`` no further chunk is decoded (``deadline_chunks``)."""
+        ``get_deadline_s`` no further chunk is decoded (``deadline_chunks``). ``heads``: the buffers hold
+        this share of the model's KV heads (a tensor-parallel rank's; the codes cover every head)."""
         device = torch.device(device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {device} requested but CUDA is not available here; use device='cpu'")
+        found = self._consumer_chunks(model, hashes)
+        if found is None:
+            return []
+        binding, chunks, deadline = found
+        return self._decoder.run(binding, chunks, deadline=deadline, device=device, dtype=dtype, into=into,
+                                 heads=heads)
+
+    def get_paged(self, model: str, hashes: Sequence[bytes], into: PagedTargets,
+                  heads: HeadShare | None = None) -> int:
+        """:meth:`get` written straight into an engine's paged cache: chunk ``i`` of the leading run held in the
+        store is decoded on the caches' device into the slots ``into.slots(i, tokens)`` names
+        (``Codec.decode_paged``); returns how many chunks were written. Misses, refusals and the deadline
+        end the run as in :meth:`get` (a refused chunk's slots may be partly written: the caller recomputes
+        from it on). ``heads``: the caches hold this share of the KV heads."""
+        found = self._consumer_chunks(model, hashes)
+        if found is None:
+            return 0
+        binding, chunks, deadline = found
+        return self._decoder.run_paged(binding, chunks, deadline=deadline, into=into, heads=heads)
+
+    def _consumer_chunks(self, model: str, hashes: Sequence[bytes]) -> tuple[Binding, list, float] | None:
+        """A registered consumer's binding, the leading run of ``hashes`` its store view holds and the get's
+        deadline; None (counted) for anyone else."""
         binding = self.binding(model)
         if binding is None or binding.role != "consumer":
             self.store.stats.inc("refused_requests")
             log.info("scd-store: %r is not a registered consumer; miss", model)
-            return []
+            return None
         if not self.hashing.ok(binding):
-            return []
+            return None
         deadline = self._decoder.deadline(time.perf_counter())
         consumer = self._access.consumer(binding)
         if consumer is None:
-            return []
-        chunks = self._access.call("get", lambda: consumer.get(hashes), [])
-        return self._decoder.run(binding, chunks, deadline=deadline, device=device, dtype=dtype, into=into)
+            return None
+        return binding, self._access.call("get", lambda: consumer.get(hashes), []), deadline

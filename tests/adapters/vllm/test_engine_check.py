@@ -9,14 +9,16 @@ import torch
 
 pytest.importorskip("vllm", reason="the vLLM stack is installed by `make test`")
 
-from scd_store.adapters.vllm.engine_check import check_engine, check_layers  # noqa: E402
+from scd_store.adapters.vllm.engine_check import check_engine, check_layers, check_tensor_parallel  # noqa: E402
+from scd_store.adapters.vllm.ranks import rank_heads  # noqa: E402
+from scd_store.codecs.head_share import HeadShare  # noqa: E402
 from scd_store.service import SettingsError  # noqa: E402
 
 
-def config(device="cpu", tp=1, pp=1, mla=False, cache_dtype="auto"):
+def config(device="cpu", tp=1, pp=1, mla=False, cache_dtype="auto", kv_heads=8):
     return SimpleNamespace(device_config=SimpleNamespace(device_type=device),
                            parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
-                           model_config=SimpleNamespace(use_mla=mla),
+                           model_config=SimpleNamespace(use_mla=mla, get_total_num_kv_heads=lambda: kv_heads),
                            cache_config=SimpleNamespace(cache_dtype=cache_dtype))
 
 
@@ -26,14 +28,33 @@ def test_cpu_and_cuda_engines_with_unquantised_caches_are_served():
             check_engine(config(device, cache_dtype=dtype))
 
 
-@pytest.mark.parametrize("kwargs,match", [({"device": "xpu"}, "'xpu'"), ({"tp": 2}, "parallel"),
-                                          ({"pp": 2}, "parallel"), ({"mla": True}, "MLA"),
+@pytest.mark.parametrize("kwargs,match", [({"device": "xpu"}, "'xpu'"), ({"pp": 2}, "parallel"), ({"mla": True}, "MLA"),
                                           ({"cache_dtype": "fp8"}, "unquantised.*'fp8'"),
                                           ({"cache_dtype": "fp8_e5m2"}, "fp8_e5m2"),
                                           ({"cache_dtype": "nvfp4"}, "nvfp4")])
 def test_what_it_cannot_serve_is_refused_with_the_reason(kwargs, match):
     with pytest.raises(SettingsError, match=match):
         check_engine(config(**kwargs))
+
+
+def test_consumers_are_served_at_any_tensor_parallel_size_and_producers_at_one():
+    for tp in (2, 4, 8):
+        check_engine(config("cuda", tp=tp))
+        check_tensor_parallel(config("cuda", tp=tp), "consumer", "kv_both")
+        check_tensor_parallel(config("cuda", tp=tp), None, "kv_consumer")  # a model registered later
+    check_tensor_parallel(config(tp=1), "producer", "kv_producer")
+    for role, kv_role in (("producer", "kv_both"), (None, "kv_producer"), ("consumer", "kv_producer")):
+        with pytest.raises(SettingsError, match="tensor-parallel size 1"):
+            check_tensor_parallel(config(tp=2), role, kv_role)
+
+
+def test_each_rank_holds_the_heads_vllm_shards_to_it():
+    assert rank_heads(config(tp=1)) is None
+    assert [rank_heads(config(tp=4), r) for r in range(4)] == [HeadShare(2 * r, 2, 8) for r in range(4)]
+    # more ranks than KV heads: vLLM replicates each head over tp // heads ranks (rank // replicas)
+    assert [rank_heads(config(tp=6, kv_heads=3), r).first for r in range(6)] == [0, 0, 1, 1, 2, 2]
+    with pytest.raises(ValueError):
+        rank_heads(config(tp=3, kv_heads=8), 0)  # 8 heads do not split over 3 ranks (vLLM refuses it too)
 
 
 def _layer(backend="FLASH_ATTN", shares=None):
