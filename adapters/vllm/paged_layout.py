@@ -95,6 +95,19 @@ def _locate(layer: Any, like: torch.Tensor, which: int) -> torch.Tensor:
     return offsets.view(heads, block, dim)
 
 
+def _written_scratch(layer: Any, cache: torch.Tensor, seed: int) -> tuple[torch.Tensor, ...]:
+    """A three-block scratch cache laid out like ``cache``, random keys and values ``[2 * block_size, heads,
+    head_dim]`` (on the CPU) the backend's op wrote into it, and their slots (from the middle of block 0)."""
+    _, heads, block, width = cache.shape
+    generator = torch.Generator().manual_seed(seed)
+    keys, values = (torch.randn((2 * block, heads, width // 2), generator=generator).to(cache.dtype)
+                    for _ in range(2))
+    scratch = scratch_like(cache, 3)
+    slots = torch.arange(block // 2, block // 2 + 2 * block, dtype=torch.int64, device=cache.device)
+    _write(layer, scratch, keys.to(cache.device), values.to(cache.device), slots)
+    return scratch, keys, values, slots
+
+
 def probe(layer: Any, cache: torch.Tensor) -> BlockMap:
     """The gather map of ``layer``'s cache, derived from its backend's op and checked on random KV, on the
     cache's device."""
@@ -104,13 +117,7 @@ def probe(layer: Any, cache: torch.Tensor) -> BlockMap:
     if not cache.is_floating_point() or cache.element_size() < 2:
         raise LayoutError(f"a {cache.dtype} KV cache (quantised) cannot carry decoded codes; use --kv-cache-dtype auto")
     block_map = BlockMap(_locate(layer, cache, 0), _locate(layer, cache, 1)).to(cache.device)
-    _, heads, block, width = cache.shape
-    generator = torch.Generator().manual_seed(0)
-    keys, values = (torch.randn((2 * block, heads, width // 2), generator=generator).to(cache.dtype)
-                    for _ in range(2))
-    scratch = scratch_like(cache, 3)
-    slots = torch.arange(block // 2, block // 2 + 2 * block, dtype=torch.int64, device=cache.device)
-    _write(layer, scratch, keys.to(cache.device), values.to(cache.device), slots)
+    scratch, keys, values, slots = _written_scratch(layer, cache, seed=0)
     got_k, got_v = read_tokens(block_map, scratch, slots)
     if not (torch.equal(got_k.cpu(), keys) and torch.equal(got_v.cpu(), values)):
         raise LayoutError("keys or values read back through the derived map differ from what the cache op wrote")
@@ -169,17 +176,11 @@ def writes_kv_view(layer: Any, cache: torch.Tensor) -> bool:
     on random KV written by the op into a scratch cache laid out like ``cache``, bit for bit."""
     if cache.dim() != 4 or cache.shape[-1] % 2 or not cache.is_floating_point() or cache.element_size() < 2:
         return False
-    _, heads, block, width = cache.shape
-    generator = torch.Generator().manual_seed(1)
-    keys, values = (torch.randn((2 * block, heads, width // 2), generator=generator).to(cache.dtype)
-                    for _ in range(2))
-    scratch = scratch_like(cache, 3)
-    slots = torch.arange(block // 2, block // 2 + 2 * block, dtype=torch.int64, device=cache.device)
     try:
-        _write(layer, scratch, keys.to(cache.device), values.to(cache.device), slots)
+        scratch, keys, values, slots = _written_scratch(layer, cache, seed=1)
     except Exception:  # noqa: BLE001 - an op that cannot write a scratch cache is not one to write around
         return False
-    view = kv_view(scratch)
+    view, block = kv_view(scratch), cache.shape[2]
     rows, places = slots // block, slots % block
     got_k, got_v = view[:, 0][rows, places].cpu(), view[:, 1][rows, places].cpu()  # [tokens, heads, dim]
     return torch.equal(got_k, keys) and torch.equal(got_v, values) and int(scratch.count_nonzero()) == \
