@@ -14,19 +14,12 @@ import torch
 from scd_store.codecs.scd import space as space_module
 from scd_store.codecs.scd.codec import ScdCodec
 from scd_store.service import KVService
-from tests.bundles import PRODUCER, chunked, correlated_state, write_tiny_bundle
+from tests.bundles import PRODUCER, correlated_state
 from tests.codecs.hostile import hostile_variants, pack_header, with_pack_field
+from tests.service.conftest import SERVED_HASHES
 
-HASHES = [bytes([i]) * 16 for i in range(3)]
+HASHES = SERVED_HASHES
 PAIR = "tiny-space/consumer-a"
-
-
-@pytest.fixture
-def service(store, tmp_path):
-    write_tiny_bundle(tmp_path / "bundle", consumers=("consumer-a",))
-    service = KVService(store, [tmp_path / "bundle"])
-    service.put(PRODUCER, HASHES, chunked(3, 8, seed=5))
-    return service
 
 
 def _overwrite(service: KVService, payload: bytes, tokens: int = 8) -> None:

@@ -11,18 +11,11 @@ from scd_store.codecs.paged import paged_caches, slot_table
 from scd_store.codecs.scd.codec import ScdCodec
 from scd_store.service import KVService, PagedTargets
 from tests.bundles import PRODUCER, chunked, correlated_state, write_tiny_bundle
+from tests.service.conftest import SERVED_HASHES
 
-HASHES = [bytes([i]) * 16 for i in range(3)]
+HASHES = SERVED_HASHES
 PAIR = "tiny-space/consumer-a"
 BLOCKS, BLOCK = 6, 4  # 24 slots: three 8-token chunks fit
-
-
-@pytest.fixture
-def service(store, tmp_path):
-    write_tiny_bundle(tmp_path / "bundle", consumers=("consumer-a",))
-    service = KVService(store, [tmp_path / "bundle"])
-    service.put(PRODUCER, HASHES, chunked(3, 8, seed=5))
-    return service
 
 
 def _caches(heads: int = 2, dim: int = 8):
