@@ -141,13 +141,14 @@ class Refill:
             time.sleep(0.005)
         return False
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Stop the refill thread (checks still queued are dropped)."""
+    def close(self, timeout: float = 5.0) -> bool:
+        """Stop the refill thread (checks still queued are dropped); False when it is still inside a check
+        (a store call) after ``timeout`` seconds."""
         with self._lock:
             self._closed = True
             thread = self._thread
         if thread is None:
-            return
+            return True
         while True:  # make room for the stop mark
             try:
                 self._queue.get_nowait()
@@ -155,3 +156,4 @@ class Refill:
                 break
         self._queue.put(None)
         thread.join(timeout)
+        return not thread.is_alive()

@@ -276,6 +276,6 @@ class SchedulerSide:
         self._unkeyed.discard(request.request_id)
 
     def close(self, timeout: float = 5.0) -> bool:
-        """Stop the refill's and the lookups' threads; False when a lookup thread is still inside the store."""
-        self.refill.close(timeout)
-        return self.lookups.close(timeout) if self.lookups is not None else True
+        """Stop the refill's and the lookups' threads; False when one of them is still inside the store."""
+        idle = self.refill.close(timeout)
+        return (self.lookups.close(timeout) if self.lookups is not None else True) and idle

@@ -205,3 +205,24 @@ def test_stored_refills_are_counted_by_space():
     worker._save_one(ChunkSave("p1", PRODUCER, HASHES[:2], [0, CHUNK], [block, block], refill=True))
     assert submitted[0] is None
     assert stats.value("refilled_chunks", space="tiny-space") == 2 and stats.value("refilled_chunks") == 2
+
+
+def test_close_reports_a_check_still_inside_the_store():
+    import threading
+
+    entered, release = threading.Event(), threading.Event()
+
+    def stuck(model, hashes):
+        entered.set()
+        release.wait(10)
+        return 0
+
+    refill = Refill(stuck)
+    try:
+        assert refill.take(PRODUCER, HASHES[:2]) is None
+        assert entered.wait(5)
+        assert refill.close(timeout=0.1) is False  # the check is still in its store call
+    finally:
+        release.set()
+    assert refill.close(timeout=5) is True
+    assert Refill(lambda model, hashes: 0).close() is True  # never started
