@@ -17,7 +17,8 @@ def bench_decode(args: argparse.Namespace) -> int:
     from scd_store.bench.decode import DecodeBenchConfig, run_decode_bench
 
     config = DecodeBenchConfig(prefix_tokens=tuple(args.prefix_tokens), budget=args.budget, repeats=args.repeats,
-                               decodes_per_round=args.decodes_per_round, device=args.device, dtype=args.dtype)
+                               decodes_per_round=args.decodes_per_round, device=args.device, dtype=args.dtype,
+                               geometry=args.geometry)
     codec = consumer = None
     if args.bundle:
         from scd_store.adapters.transformers import load_model
@@ -164,6 +165,8 @@ def add_bench_parsers(bench: Any) -> None:
     decode.add_argument("--decodes-per-round", type=int, default=5)
     decode.add_argument("--device", default="cpu")
     decode.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    decode.add_argument("--geometry", default="smollm2-135m", choices=["smollm2-135m", "llama3-8b"],
+                        help="the random-init model's geometry (without --bundle; llama3-8b needs a GPU's memory)")
     decode.add_argument("--json", type=Path)
     decode.add_argument("--bundle", type=Path, help="time a real calibrated pair (default: random-init model)")
     decode.add_argument("--consumer", default="smollm2-135m-shakespeare", help="the consumer of --bundle")

@@ -26,3 +26,16 @@ def test_cuda_bench_decodes_from_device_memory_with_graphs():
     row = report["results"][0]
     assert report["payload_on"] == "device" and row["graph_replays"] > 0
     assert min(row["decode_from_host_best_ms"], row["decode_eager_best_ms"], row["decode_fused_best_ms"]) > 0
+
+
+def test_the_random_init_geometries_are_the_published_configs_and_others_are_refused():
+    from scd_store.bench.geometries import GEOMETRIES, geometry
+
+    assert set(GEOMETRIES) == {"smollm2-135m", "llama3-8b"}
+    llama = geometry("llama3-8b")
+    assert (llama["num_hidden_layers"], llama["num_key_value_heads"], llama["head_dim"]) == (32, 8, 128)
+    assert geometry("smollm2-135m")["num_key_value_heads"] == 3
+    with pytest.raises(ValueError, match="geometry"):
+        DecodeBenchConfig(geometry="gpt-5")
+    with pytest.raises(ValueError, match="geometry"):
+        geometry("gpt-5")
