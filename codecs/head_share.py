@@ -30,10 +30,6 @@ class HeadShare:
             raise ValueError(f"heads {self.first}..{self.first + self.count} of {self.total} are not a share")
 
     @classmethod
-    def whole(cls, total: int) -> HeadShare:
-        return cls(0, total, total)
-
-    @classmethod
     def of_rank(cls, rank: int, size: int, total: int) -> HeadShare:
         """Rank ``rank`` of ``size`` tensor-parallel ranks' heads of ``total`` KV heads, as vLLM shards them."""
         if size < 1 or not 0 <= rank < size:

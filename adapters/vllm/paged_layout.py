@@ -95,6 +95,15 @@ def _locate(layer: Any, like: torch.Tensor, which: int) -> torch.Tensor:
     return offsets.view(heads, block, dim)
 
 
+def cache_problem(cache: torch.Tensor) -> str | None:
+    """Why ``cache`` is not a cache scd-store can read and write (None: it is one)."""
+    if cache.dim() != 4 or cache.shape[-1] % 2:
+        return f"expected vLLM's [blocks, kv_heads, block_size, 2*head_dim] cache view, got {tuple(cache.shape)}"
+    if not cache.is_floating_point() or cache.element_size() < 2:
+        return f"a {cache.dtype} KV cache (quantised) cannot carry decoded codes; use --kv-cache-dtype auto"
+    return None
+
+
 def _written_scratch(layer: Any, cache: torch.Tensor, seed: int) -> tuple[torch.Tensor, ...]:
     """A three-block scratch cache laid out like ``cache``, random keys and values ``[2 * block_size, heads,
     head_dim]`` (on the CPU) the backend's op wrote into it, and their slots (from the middle of block 0)."""
@@ -111,11 +120,9 @@ def _written_scratch(layer: Any, cache: torch.Tensor, seed: int) -> tuple[torch.
 def probe(layer: Any, cache: torch.Tensor) -> BlockMap:
     """The gather map of ``layer``'s cache, derived from its backend's op and checked on random KV, on the
     cache's device."""
-    if cache.dim() != 4 or cache.shape[-1] % 2:
-        raise LayoutError(f"expected vLLM's [blocks, kv_heads, block_size, 2*head_dim] cache view, got "
-                          f"{tuple(cache.shape)}")
-    if not cache.is_floating_point() or cache.element_size() < 2:
-        raise LayoutError(f"a {cache.dtype} KV cache (quantised) cannot carry decoded codes; use --kv-cache-dtype auto")
+    problem = cache_problem(cache)
+    if problem is not None:
+        raise LayoutError(problem)
     block_map = BlockMap(_locate(layer, cache, 0), _locate(layer, cache, 1)).to(cache.device)
     scratch, keys, values, slots = _written_scratch(layer, cache, seed=0)
     got_k, got_v = read_tokens(block_map, scratch, slots)
@@ -174,7 +181,7 @@ def writes_kv_view(layer: Any, cache: torch.Tensor) -> bool:
     """Whether ``layer``'s backend op puts token ``t``'s key and value where :func:`kv_view` reads them
     (``[K | V]`` on the last axis of each head's row, at ``[slot // block_size, :, slot % block_size]``), checked
     on random KV written by the op into a scratch cache laid out like ``cache``, bit for bit."""
-    if cache.dim() != 4 or cache.shape[-1] % 2 or not cache.is_floating_point() or cache.element_size() < 2:
+    if cache_problem(cache) is not None:
         return False
     try:
         scratch, keys, values, slots = _written_scratch(layer, cache, seed=1)

@@ -25,6 +25,7 @@ import torch
 from scd_store.codecs.paged import (
     CACHE_DTYPES,
     PagedCaches,
+    check_fit,
     check_slots,
     kv_view,
     paged_caches,
@@ -199,11 +200,7 @@ def check_paged(codec: FusedCodec, codes: SpaceCodes, caches: PagedCaches, slots
     if codec.decoder is None:
         raise ValueError("this SCD codec has no consumer decoder: it can encode only")
     layout = codec.space.layout
-    if len(caches.layers) != layout.num_layers or caches.heads != layout.kv_heads \
-            or caches.head_dim != layout.head_dim:
-        raise ValueError(f"caches of {len(caches.layers)} layers x {caches.heads} heads x {caches.head_dim} dims; "
-                         f"the codec decodes {layout.num_layers} x {layout.kv_heads} x {layout.head_dim}")
-    check_slots(slots, codes.num_tokens, caches.device)
+    check_fit((layout.num_layers, layout.kv_heads, codes.num_tokens, layout.head_dim), caches, slots)
     if codes.sorted_codes.device != caches.device:
         raise ValueError(f"codes on {codes.sorted_codes.device}, caches on {caches.device}")
     coded = codes.num_tokens - (codes.sinks.num_tokens if codes.sinks is not None else 0)

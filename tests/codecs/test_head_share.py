@@ -17,7 +17,7 @@ from tests.codecs.test_scd_fused import space_and_decoder, state
 def test_ranks_split_the_heads_or_replicate_them_as_vllm_does():
     assert [HeadShare.of_rank(r, 2, 8) for r in range(2)] == [HeadShare(0, 4, 8), HeadShare(4, 4, 8)]
     assert [HeadShare.of_rank(r, 8, 2).first for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
-    assert HeadShare.of_rank(0, 1, 3).is_whole and HeadShare.whole(3) == HeadShare(0, 3, 3)
+    assert HeadShare.of_rank(0, 1, 3).is_whole and HeadShare.of_rank(0, 1, 3) == HeadShare(0, 3, 3)
     for bad in ((0, 3, 8), (0, 6, 4), (2, 2, 4), (-1, 2, 4)):
         with pytest.raises(ValueError):
             HeadShare.of_rank(*bad)
