@@ -11,9 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from scd_store.codecs.paged import paged_caches
 from scd_store.codecs.scd import space as space_module
 from scd_store.codecs.scd.codec import ScdCodec
-from scd_store.service import KVService
+from scd_store.service import KVService, PagedTargets
 from tests.bundles import PRODUCER, correlated_state
 from tests.codecs.hostile import hostile_variants, pack_header, with_pack_field
 from tests.service.conftest import SERVED_HASHES
@@ -49,6 +50,14 @@ def _buffers():
         return keys[:, :, 8 * i:8 * i + tokens], values[:, :, 8 * i:8 * i + tokens]
 
     return keys, values, asked, into
+
+
+def _paged():
+    """NaN-filled paged caches of the tiny model (two layers of 3 blocks x 8 slots) and targets naming chunk i's
+    slots ``8 i ..``."""
+    raw = [torch.full((3, 2, 8, 2, 8), float("nan")) for _ in range(2)]
+    caches = paged_caches(raw)
+    return raw, PagedTargets(caches, lambda i, tokens: torch.arange(8 * i, 8 * i + tokens, dtype=torch.int64))
 
 
 def test_a_payload_claiming_more_tokens_than_its_blob_header_is_refused_before_it_is_decoded(service, spies):
@@ -99,7 +108,10 @@ def test_hostile_numbers_in_a_stored_payload_are_refused_chunks_not_crashes(serv
         _overwrite(service, with_pack_field(good, ("meta", field), token))
         assert len(service.get("consumer-a", HASHES)) == 1  # no OverflowError / TypeError out of the get
         assert len(service.get("consumer-a", HASHES, into=into)) == 1
-        assert service.store.stats.value("refused_chunks", pair=PAIR) == 2 * refused
+        raw, targets = _paged()
+        assert service.get_paged("consumer-a", HASHES, targets) == 1  # the slot-table path refuses it too
+        assert all(c[1:].isnan().all() for c in raw)  # chunk 1's slots (block 1 on) never written
+        assert service.store.stats.value("refused_chunks", pair=PAIR) == 3 * refused
     assert keys[:, :, 8:].isnan().all() and values[:, :, 8:].isnan().all()
     _overwrite(service, with_pack_field(good, ("meta", field), str(value)))  # the rewrite itself is sound
     assert len(service.get("consumer-a", HASHES)) == 3
@@ -115,4 +127,7 @@ def test_hostile_numbers_in_a_stored_tensor_pack_are_refused_chunks_not_crashes(
     for refused, token in enumerate(hostile_variants(value), start=1):
         _overwrite(service, with_pack_field(good, path, token))
         assert len(service.get("consumer-a", HASHES)) == 1
-        assert service.store.stats.value("refused_chunks", pair=PAIR) == refused
+        raw, targets = _paged()
+        assert service.get_paged("consumer-a", HASHES, targets) == 1
+        assert all(c[1:].isnan().all() for c in raw)
+        assert service.store.stats.value("refused_chunks", pair=PAIR) == 2 * refused
