@@ -41,8 +41,9 @@ def build_tier(cfg: TierConfig) -> Tier | None:
         from scd_store.store.tiers.peer import PeerTier
         from scd_store.store.transfer.directory import directory_for
 
+        timeout = {"read_timeout_s": float(cfg.op_timeout_s)} if cfg.op_timeout_s is not None else {}
         return PeerTier(directory_for(cfg.url, cfg.path), publish_bytes=int(cfg.max_bytes) if cfg.publish else 0,
-                        transfer=cfg.transfer, max_value_bytes=int(cfg.max_value_bytes))
+                        transfer=cfg.transfer, max_value_bytes=int(cfg.max_value_bytes), **timeout)
     if cfg.kind == "redis":
         from scd_store.store.tiers.redis_tier import RedisTier
 

@@ -35,3 +35,24 @@ def test_the_raw_baseline_offers_every_service_call_the_vllm_connector_makes(tmp
     assert {"chunk_size", "lookup", "get", "submit_put", "count", "observe", "incidents"} <= called
     raw = RawKVDirectory(tmp_path / "raw", producer="base", chunk_size=8)
     assert sorted(name for name in called if not hasattr(raw, name)) == []
+
+
+def test_the_raw_baseline_keeps_its_blobs_in_scd_store_tiers_and_a_bad_one_is_a_miss(tmp_path):
+    from scd_store.bench.raw_blobs import TierBlobs
+
+    raw = RawKVDirectory(None, producer="base", chunk_size=8, tiers=[{"kind": "cpu", "max_bytes": "4MiB"}])
+    state = correlated_state(8, seed=4)
+    hashes = [b"\x03" * 16, b"\x04" * 16]
+    try:
+        assert raw.submit_put("base", hashes, lambda: [state, state])
+        raw._pool.submit(lambda: None).result(10)  # the write worker has run
+        assert raw.contains("fine-tune", hashes) == 2 and raw.lookup("fine-tune", hashes).remote_chunks == 0
+        assert [s.num_tokens for s in raw.get("fine-tune", hashes)] == [8, 8]
+        assert isinstance(raw.blobs, TierBlobs)
+        tier = raw.blobs.tiers[0]
+        tier.put_now(TierBlobs.keys(hashes[1:])[0], b"not a tensor pack")
+        assert len(raw.get("fine-tune", hashes)) == 1  # the bad blob is a miss, the chunks before it are served
+    finally:
+        raw.close()
+    with pytest.raises(ValueError, match="exactly one"):
+        RawKVDirectory(tmp_path / "raw", producer="base", tiers=[{"kind": "cpu"}])
