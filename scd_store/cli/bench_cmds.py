@@ -94,10 +94,13 @@ def bench_serve(args: argparse.Namespace) -> int:
 
     from scd_store.bench.serve import ServeConfig, run_serve
 
+    if args.link:
+        return bench_serve_link(args)
     bundle = _demo_bundle(args.bundle)
     try:
-        config = ServeConfig(bundle, args.consumer, tuple(args.prefix_tokens), tuple(args.concurrency), args.waves,
-                             args.suffix_tokens, args.new_tokens, args.root, agreement_windows=args.agreement_windows,
+        config = ServeConfig(bundle, args.consumer, tuple(args.prefix_tokens or (512, 1024, 2048)),
+                             tuple(args.concurrency or (1, 4, 16)), args.waves, args.suffix_tokens,
+                             args.new_tokens or 16, args.root, agreement_windows=args.agreement_windows,
                              agreement_consumers=tuple(args.agreement_consumers))
     except ValueError as exc:
         print(f"bench serve: {exc}", file=sys.stderr)
@@ -106,6 +109,36 @@ def bench_serve(args: argparse.Namespace) -> int:
     if args.json:
         args.json.write_text(report + "\n")
     print(report)
+    return 0
+
+
+def bench_serve_link(args: argparse.Namespace) -> int:
+    """``bench serve --link``: producer and consumer on two hosts joined by a shaped link (needs root)."""
+    import json
+
+    from scd_store.bench.link_report import markdown_table, plot_link
+    from scd_store.bench.netns import LinkError, require_root_tools
+    from scd_store.bench.serve_link import LinkServeConfig, run_serve_link
+
+    try:
+        require_root_tools()
+        config = LinkServeConfig(_demo_bundle(args.bundle), args.consumer, tuple(args.link),
+                                 tuple(args.prefix_tokens or (512, 2048)), tuple(args.concurrency or (1, 16)),
+                                 args.requests, args.suffix_tokens, args.new_tokens or 4, args.root,
+                                 model=not args.no_model)
+        report = run_serve_link(config)
+    except (ValueError, LinkError) as exc:
+        print(f"bench serve --link: {exc}", file=sys.stderr)
+        return 2
+    text = json.dumps(report, indent=1)
+    if args.json:
+        args.json.write_text(text + "\n")
+        args.json.with_suffix(".md").write_text(markdown_table(report))
+        try:
+            plot_link(report, args.json.with_suffix(".png"))
+        except ModuleNotFoundError as exc:
+            print(f"bench serve --link: no plot ({exc})", file=sys.stderr)
+    print(text)
     return 0
 
 
@@ -195,11 +228,17 @@ def add_bench_parsers(bench: Any) -> None:
                              "codes vs own prefill vs raw KV reuse")
     serve.add_argument("--bundle", help="calibration bundle (default: the demo's quick one, calibrated once)")
     serve.add_argument("--consumer", default="smollm2-135m-shakespeare")
-    serve.add_argument("--prefix-tokens", type=int, nargs="+", default=[512, 1024, 2048])
-    serve.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    serve.add_argument("--prefix-tokens", type=int, nargs="+", help="default 512 1024 2048 (with --link: 512 2048)")
+    serve.add_argument("--concurrency", type=int, nargs="+", help="default 1 4 16 (with --link: 1 16)")
+    serve.add_argument("--link", nargs="+", metavar="RATE[:DELAY]",
+                       help="producer and consumer on two hosts (network namespaces, a veth shaped with tc; needs "
+                            "root), measured at each link shape in turn, e.g. 100mbit 1gbit 10gbit unshaped")
+    serve.add_argument("--requests", type=int, default=16,
+                       help="with --link: distinct stored prefixes asked for per cell (a multiple of --concurrency)")
+    serve.add_argument("--no-model", action="store_true", help="with --link: skip bench ttft's modelled figures")
     serve.add_argument("--waves", type=int, default=2, help="waves of concurrent requests per route and setting")
     serve.add_argument("--suffix-tokens", type=int, default=32, help="distinct tokens after the shared prefix")
-    serve.add_argument("--new-tokens", type=int, default=16)
+    serve.add_argument("--new-tokens", type=int, help="tokens generated per request (default 16; with --link 4)")
     serve.add_argument("--root", help="the servers' store, logs and stats (default: a temporary directory)")
     serve.add_argument("--agreement-windows", type=int, default=10,
                        help="held-out windows per consumer: greedy answers by each route against its own (0: skip)")
