@@ -41,6 +41,7 @@ from scd_store.adapters.vllm.ranks import rank_heads
 from scd_store.adapters.vllm.scheduler_side import SchedulerSide
 from scd_store.adapters.vllm.worker_side import WorkerSide
 from scd_store.service import EngineSettings, SettingsError, acquire_service, release_service
+from scd_store.service.defaults import LOOKUP_DEADLINE_S
 from scd_store.service.hash_agreement import HashMismatch
 
 if TYPE_CHECKING:
@@ -67,6 +68,7 @@ class ScdConnector(KVConnectorBase_V1):
 
     skip_param = "scd_skip_load"  # kv_transfer_params key a request sets to compute its prompt itself
     async_loads = False  # set from the settings (async_loads) when the service opens
+    lookup_deadline_s = LOOKUP_DEADLINE_S  # set from the settings (lookup_deadline_s) when the service opens
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
@@ -96,7 +98,7 @@ class ScdConnector(KVConnectorBase_V1):
         self._checked = {self.served_model}
         self._scheduler = SchedulerSide(self.service, self.served_model, block_size, self.skip_param,
                                         async_loads=self.async_loads,
-                                        lookups=Lookups(self.service.lookup) if self.async_loads else None,
+                                        lookups=self._lookups() if self.async_loads else None,
                                         ) if role == KVConnectorRole.SCHEDULER else None
         self._worker = WorkerSide(self.service) if role == KVConnectorRole.WORKER else None
         log.info("scd-store vLLM connector (%s) for %r: models %s", role.name.lower(), self.served_model,
@@ -107,7 +109,12 @@ class ScdConnector(KVConnectorBase_V1):
         settings = EngineSettings.from_mapping({"max_positions": self.max_positions, **extra_config})
         # vLLM holds a finished request's blocks for in-flight writes only on a consumer (kv_both, kv_consumer)
         self.async_loads = settings.async_loads and self._kv_transfer_config.kv_role != "kv_producer"
+        self.lookup_deadline_s = settings.lookup_deadline_s
         return acquire_service(settings)
+
+    def _lookups(self) -> Lookups:
+        """The scheduler's lookup threads, their deadlines and failures counted in the service's stats."""
+        return Lookups(self.service.lookup, deadline_s=self.lookup_deadline_s, incidents=self.service.incidents(log))
 
     def _close_service(self, service: Any) -> None:
         release_service(service)

@@ -11,7 +11,9 @@ answer is in before that, and costs no step); a lookup still out then answers No
 
 Bounded: one lookup per request in flight (later asks wait for it), ``max_pending`` in all (a request
 asked while they are taken waits its turn), and ``deadline_s`` from a request's first ask, after which
-its answer is 0 hits (the engine computes it): never a guess. A request's answer holds until it is
+its answer is 0 hits (the engine computes it): never a guess. With ``incidents`` (the connector's), each
+request answered 0 at its deadline is counted as ``lookup_deadlines`` and each lookup that raised as
+``lookup_errors``, the first of each logged. A request's answer holds until it is
 forgotten (its blocks were allocated, or it finished), so a request waiting for blocks is asked no
 second round trip.
 """
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 from scd_store.adapters.vllm.threads import join_all, start_threads
 from scd_store.service import Lookup
 from scd_store.service.log_once import LogOnce
+from scd_store.store.log_once import Incidents
 
 log = logging.getLogger("scd_store.adapters.vllm")
 MISS = Lookup(0, 0)
@@ -51,7 +54,8 @@ class Lookups:
 
     def __init__(self, lookup: Callable[[str, Sequence[bytes]], Lookup], *, workers: int = 2,
                  max_pending: int = 64, deadline_s: float = 2.0, inline_s: float = 0.002,
-                 step_inline_s: float = 0.01, name: str = "scd-store-lookup") -> None:
+                 step_inline_s: float = 0.01, name: str = "scd-store-lookup",
+                 incidents: Incidents | None = None) -> None:
         if workers < 1 or max_pending < 1 or deadline_s <= 0:
             raise ValueError("background lookups need a thread, room for one lookup and a positive deadline")
         self._lookup = lookup
@@ -66,6 +70,7 @@ class Lookups:
         self._pending = 0  # lookups queued or running
         self._closing = False
         self._once = LogOnce(log)
+        self._incidents = incidents
         self._threads = start_threads(self._work, name, workers)
 
     def answer(self, req_id: str, model: str, hashes: list[bytes]) -> Lookup | None:
@@ -80,8 +85,9 @@ class Lookups:
             if ask.found is None and now - ask.asked >= self._deadline_s:
                 ask.found = MISS  # a late answer is dropped: the request computes its prompt
                 ask.done.set()
-                self._once.warn("deadline", "scd-store: a lookup took longer than %.1f s; the request computes its "
-                                "prompt itself (logged once)", self._deadline_s)
+                self._incident("lookup_deadlines", "scd-store: a lookup took longer than %.1f s (lookup_deadline_s); "
+                               "the request computes its prompt itself (counted as lookup_deadlines; logged once)",
+                               self._deadline_s)
             return ask.found
 
     def forget(self, req_id: str) -> None:
@@ -102,6 +108,12 @@ class Lookups:
             self._queued.clear()
             self._cond.notify_all()
         return join_all(self._threads, timeout)
+
+    def _incident(self, counter: str, message: str, *args: object, once: str | None = None) -> None:
+        if self._incidents is not None:
+            self._incidents.count(counter, message, *args, once=once)
+        else:
+            self._once.warn(once or counter, message, *args)
 
     def _start(self, ask: _Ask) -> bool:
         """Queue ``ask`` when there is room; False while ``max_pending`` lookups are out (or closing)."""
@@ -135,8 +147,9 @@ class Lookups:
                 try:
                     found = self._lookup(ask.model, ask.hashes)
                 except Exception as exc:  # noqa: BLE001 - a lookup that fails is a miss, never a guess
-                    self._once.warn(f"lookup:{type(exc).__name__}", "scd-store: a lookup failed; the request "
-                                    "computes its prompt itself (logged once): %s: %s", type(exc).__name__, exc)
+                    self._incident("lookup_errors", "scd-store: a lookup failed; the request computes its prompt "
+                                   "itself (counted as lookup_errors; logged once per kind): %s: %s",
+                                   type(exc).__name__, exc, once=f"lookup:{type(exc).__name__}")
             with self._cond:
                 self._pending -= 1
                 if ask.found is None:

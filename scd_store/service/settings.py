@@ -155,6 +155,7 @@ class EngineSettings:
     max_positions: int = _key(_int, default=defaults.MAX_POSITIONS, role="service")
     decode_device: str = _key(_device, default=defaults.DECODE_DEVICE, role="adapter")
     async_loads: bool = _key(_bool, default=True, role="adapter")
+    lookup_deadline_s: float = _key(_number, default=defaults.LOOKUP_DEADLINE_S, role="adapter")
 
     def __post_init__(self) -> None:
         for bundle in self.bundles:
@@ -168,8 +169,9 @@ class EngineSettings:
         if isinstance(self.put_queue_bytes, bool) or not isinstance(self.put_queue_bytes, int) \
                 or self.put_queue_bytes <= 0:
             raise SettingsError(f"put_queue_bytes must be a positive size, got {self.put_queue_bytes!r}")
-        if not self.get_deadline_s > 0:
-            raise SettingsError(f"get_deadline_s must be positive, got {self.get_deadline_s!r}")
+        for name in ("get_deadline_s", "lookup_deadline_s"):
+            if not getattr(self, name) > 0:
+                raise SettingsError(f"{name} must be positive, got {getattr(self, name)!r}")
         for name in ("serves_adapters", "register_bundles", "async_loads"):
             if not isinstance(getattr(self, name), bool):
                 raise SettingsError(f"{name} must be true or false, got {getattr(self, name)!r}")

@@ -79,6 +79,8 @@ COUNTERS: dict[str, str] = {
     "unkeyable_requests": "engine requests whose token ids do not say what their KV holds (prompt embeddings, "
                           "multimodal inputs): neither stored nor served",
     "deadline_chunks": "chunks a get left undecoded because its deadline had passed",
+    "lookup_deadlines": "consumer requests whose lookup was not in by lookup_deadline_s: computed by the engine",
+    "lookup_errors": "consumer lookups that raised (a tier or registry error): computed by the engine",
     "discovered_models": "models bound after start from pairs and spaces registered later (scd-store register)",
     "discovery_errors": "registered pairs a process could not load (a moved bundle, fingerprints that differ)",
     "refused_chunks": "stored chunks the consumer's codec refused (another packing or space): a miss",

@@ -18,7 +18,7 @@ def test_settings_read_their_prefix_and_refuse_unknown_keys(bundle):
     settings = EngineSettings.from_mapping({"scd.bundles": f"{bundle}, {bundle}", "scd.aliases": {"b": "a"},
                                             "other.key": 1}, prefix="scd.")
     assert settings.bundles == (str(bundle), str(bundle)) and settings.aliases == (("b", "a"),)
-    assert (settings.put_queue_chunks, settings.get_deadline_s) == (256, 5.0)
+    assert (settings.put_queue_chunks, settings.get_deadline_s, settings.lookup_deadline_s) == (256, 5.0, 2.0)
     assert (settings.models, settings.discovery_interval_s) == (None, 2.0)
     assert EngineSettings.from_mapping({"models": "a, b"}).models == ("a", "b")  # no bundles: the registry's
     assert (settings.register_bundles, settings.max_positions) == (True, 32768)
@@ -38,6 +38,7 @@ def test_settings_read_their_prefix_and_refuse_unknown_keys(bundle):
     ({"put_queue_chunks": -1}, "put_queue_chunks must be a positive int"),
     ({"get_deadline_s": 0}, "get_deadline_s must be positive"),
     ({"get_deadline_s": "soon"}, "get_deadline_s must be a number"),
+    ({"lookup_deadline_s": -1}, "lookup_deadline_s must be positive"),
     ({"serves_adapters": "sometimes"}, "serves_adapters must be true or false"),
     ({"model_tag": ""}, "model_tag must be a non-empty string"),
     ({"register_bundles": "maybe"}, "register_bundles must be true or false"),

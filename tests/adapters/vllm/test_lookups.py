@@ -3,6 +3,7 @@ in all, 0 hits past the deadline, and a close that says whether a lookup thread 
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import types
@@ -14,6 +15,8 @@ pytest.importorskip("vllm", reason="the vLLM stack is installed by `make test`")
 from scd_store.adapters.vllm.lookups import MISS, Lookups  # noqa: E402
 from scd_store.adapters.vllm.scheduler_side import SchedulerSide  # noqa: E402
 from scd_store.service import Lookup  # noqa: E402
+from scd_store.store.log_once import Incidents  # noqa: E402
+from scd_store.store.stats import StoreStats  # noqa: E402
 from tests.adapters.vllm.test_scheduler_side import BLOCK, CHUNK, request  # noqa: E402
 
 HASHES = [b"\x01" * 16, b"\x02" * 16]
@@ -59,8 +62,9 @@ def test_a_fast_lookup_is_answered_within_the_first_ask():
 
 
 def test_lookups_in_flight_are_bounded_and_a_request_waits_its_turn_until_its_deadline():
-    link = Link()
-    lookups = Lookups(link, workers=1, max_pending=1, inline_s=0.0, deadline_s=0.3)
+    link, stats = Link(), StoreStats()
+    lookups = Lookups(link, workers=1, max_pending=1, inline_s=0.0, deadline_s=0.3,
+                      incidents=Incidents(stats, logging.getLogger("test")))
     assert lookups.answer("a", "m", HASHES) is None
     assert lookups.answer("b", "m", HASHES) is None  # no room: not started
     assert _until(lambda: len(link.calls) == 1) and link.calls == [HASHES]
@@ -70,6 +74,7 @@ def test_lookups_in_flight_are_bounded_and_a_request_waits_its_turn_until_its_de
     link.gate.set()
     time.sleep(0.1)
     assert lookups.answer("a", "m", HASHES) == MISS  # the late answer is dropped
+    assert stats.value("lookup_deadlines") == 2  # each request answered 0 at its deadline, counted once
     assert lookups.close()
 
 
@@ -88,9 +93,11 @@ def test_a_finished_requests_queued_lookup_is_not_run_and_a_failing_one_is_a_mis
     def broken(model, hashes):
         raise ConnectionError("redis went away")
 
-    failing = Lookups(broken, inline_s=0.0)
+    stats = StoreStats()
+    failing = Lookups(broken, inline_s=0.0, incidents=Incidents(stats, logging.getLogger("test")))
     failing.answer("r", "m", HASHES)
     assert _until(lambda: failing.answer("r", "m", HASHES) == MISS)
+    assert stats.value("lookup_errors") == 1
     assert lookups.close() and failing.close()
 
 
