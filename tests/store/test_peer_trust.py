@@ -255,3 +255,18 @@ def test_the_file_directory_is_its_owners_and_never_writes_through_a_planted_lin
     with pytest.raises(OSError):
         directory.record_entries([entry])
     assert victim.read_text() == "{}"
+
+
+def test_a_process_that_only_asks_what_peers_hold_opens_no_transfer(tmp_path, keyrings, monkeypatch):
+    peers = Peers(tmp_path, *keyrings)
+    run(peers.source.put_many([(KEYS[0], b"alpha")]))
+    made: list = []
+    real = peer_module.make_reader
+    monkeypatch.setattr(peer_module, "make_reader", lambda **kw: (made.append(kw), real(**kw))[1])
+    looker = PeerTier(FilePeerDirectory(peers.root), transfer="copy")
+    looker.attach(keyring=keyrings[1], count=lambda n, a: None)
+    run(looker.start())
+    assert run(looker.contains_many(KEYS[:2])) == [True, False] and made == []  # presence: the directory only
+    assert run(looker.get_many(KEYS[:1])) == [b"alpha"] and len(made) == 1  # the first read makes the reader
+    assert run(looker.get_many(KEYS[:1])) == [b"alpha"] and len(made) == 1
+    run(looker.close())

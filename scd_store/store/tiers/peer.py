@@ -70,18 +70,18 @@ class PeerTier(Tier):
         self.transfer = transfer
         self.read_timeout_s = read_timeout_s
         self.source: BlobSource | None = None
-        self.reader: BlobReader | None = None
+        self._reader: BlobReader | None = None  # made on the first read (a process that only looks up needs none)
         self._source_name, self._digest = "", ""
         self._connected: dict[str, str] = {}  # source -> digest of the info it was connected with
         self._lock = threading.Lock()  # the reader's buffers are not for two transfers at once
         self._publish_lock = threading.Lock()  # publish and record in the same order
         self._meta_lock = threading.Lock()
+        self._reader_lock = threading.Lock()
         self._infos: OrderedDict[str, tuple[str, SourceInfo]] = OrderedDict()  # verified source infos
         self._trusted: OrderedDict[str, tuple[LocationEntry, float]] = OrderedDict()  # verified entries
         self._once = self._incidents(log, limit=4096)  # one line per kind; kinds name sources: bounded
 
     async def start(self) -> None:
-        self.reader = make_reader(kind=self.transfer, max_batch_bytes=self.max_batch_bytes)
         if self.publish_bytes:
             self.source = make_source(self.publish_bytes, kind=self.transfer)
             info = self.source.info()
@@ -89,10 +89,19 @@ class PeerTier(Tier):
             self.directory.add_source(info)
 
     async def close(self) -> None:
-        for part in (self.reader, self.source):
+        for part in (self._reader, self.source):
             if part is not None:
                 part.close()
         self.directory.close()
+
+    @property
+    def reader(self) -> BlobReader:
+        """The transfer's reader, made on first use: a process that only asks what peers hold (presence is
+        read from the directory) never opens a transfer agent."""
+        with self._reader_lock:
+            if self._reader is None:
+                self._reader = make_reader(kind=self.transfer, max_batch_bytes=self.max_batch_bytes)
+            return self._reader
 
     def _say(self, what: str, message: str, *args: object) -> None:
         """Log ``message`` once per ``what``."""
@@ -230,7 +239,6 @@ class PeerTier(Tier):
 
     def _read(self, keys: list[str]) -> list[bytes | None]:
         out: list[bytes | None] = [None] * len(keys)
-        assert self.reader is not None, "the peer tier is not started"
         for source, (digest, info, entries) in self._resolve(keys).items():
             with self._lock:
                 if self._connected.get(source) != digest:  # only a verified source is ever connected
