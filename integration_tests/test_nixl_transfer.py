@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -151,3 +153,23 @@ def test_a_peer_tier_refuses_a_swapped_agent_before_connecting(tmp_path, signing
     (tmp_path / f"{name}.info").write_bytes(genuine)
     assert asyncio.run(reader.get_many(keys[:1])) == [b"genuine"] and len(added) == 1
     asyncio.run(reader.close()), asyncio.run(producer.close()), attacker.close()
+
+
+def test_an_idle_source_and_reader_leave_the_cpu_alone():
+    # NIXL's own progress thread spins a core per agent when its wait is 0 (its Python API's setting)
+    with SourceProcess("nixl") as source:
+        reader = make_reader(kind="nixl")
+        name = reader.connect(source.info)
+        assert all(b is not None for b in reader.read(name, source.refs[:4]))
+        before, own = _cpu_seconds(source.proc.pid), time.process_time()
+        time.sleep(2.0)
+        assert _cpu_seconds(source.proc.pid) - before < 0.4  # a spinning thread would take ~2 s of the 2
+        assert time.process_time() - own < 0.4
+        assert all(b is not None for b in reader.read(name, source.refs[:4]))  # still served after the wait
+        reader.close()
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
