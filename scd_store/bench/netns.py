@@ -201,6 +201,9 @@ def _tbf(rate_bps: float) -> list[str]:
 
 
 def _exit_on_term(signum: int, frame: object) -> None:
+    """The first SIGTERM unwinds the stack (servers stopped, the pair removed on the way out); later ones are
+    ignored, so that a second signal (``timeout``, a supervisor) cannot cut that clean-up short."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise SystemExit(128 + signum)
 
 

@@ -82,12 +82,15 @@ def _cell(deployment: LinkDeployment, pair: HostPair, route: str, prompts: list[
     server = deployment.servers[transport]
     before = pair.counters()
     ttft, started = [], time.perf_counter()
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+    pool = ThreadPoolExecutor(max_workers=concurrency)
+    try:
         for wave in range(0, len(prompts), concurrency):
             batch = prompts[wave:wave + concurrency]
             answers = list(pool.map(lambda p: server.stream(config.consumer, p, config.new_tokens, kv_params=params,
                                                             timeout=config.request_timeout_s), batch))
             ttft += [a.ttft_s for a in answers]
+    finally:  # on SIGTERM or an error, leave the requests in flight: stopping the servers ends them
+        pool.shutdown(wait=False, cancel_futures=True)
     wall = time.perf_counter() - started
     after = pair.counters()
     return {"route": route, "requests": len(ttft), "ttft_p50_ms": round(percentile(ttft, 0.5) * 1e3, 1),

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import threading
+import time
 
 import pytest
 
@@ -115,3 +118,34 @@ def test_a_delay_without_netem_is_a_clear_error_or_works() -> None:
             qdisc = subprocess.run(["tc", "-n", pair.consumer, "qdisc", "show", "dev", pair.consumer_dev],
                                    capture_output=True, text=True).stdout
             assert "netem" in qdisc
+
+
+_TERMINATED = """
+import sys, time
+from pathlib import Path
+from scd_store.bench.netns import HostPair
+out = Path(sys.argv[1])
+with HostPair() as pair:
+    out.write_text(pair.producer)
+    try:
+        time.sleep(60)
+    finally:
+        time.sleep(1.0)  # a clean-up that takes a while, as stopping servers does
+        out.write_text("cleaned up")
+"""
+
+
+@needs_root
+def test_a_second_sigterm_does_not_cut_the_clean_up_short(tmp_path) -> None:
+    out = tmp_path / "state"
+    proc = subprocess.Popen([sys.executable, "-c", _TERMINATED, str(out)])
+    deadline = time.monotonic() + 30
+    while not (out.is_file() and out.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    name = out.read_text()
+    assert name in _namespaces()
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGTERM)  # during the clean-up
+    assert proc.wait(30) == 128 + signal.SIGTERM
+    assert out.read_text() == "cleaned up" and name not in _namespaces()
