@@ -30,6 +30,12 @@ log = logging.getLogger("scd_store.transfer")
 # 0.1% at 100 ms; 1-64 MiB READs over UCX's TCP 1.05 GB/s at 0 and 1.2 GB/s at 100 ms (the thread wakes
 # on events, so a wait costs no transfer speed), over its shared-memory transports about the same.
 PROGRESS_WAIT_US = 100_000
+# A reader checks its transfer this many times back to back (a local read is done by then), then sleeps
+# between checks, 50 us doubling to 1 ms: a read that crosses a slow link no longer spins a core for its
+# whole length, which on a small host starved the very source it waited for (both engines' workers are
+# pinned to one core by vLLM-CPU).
+SPIN_POLLS = 64
+POLL_SLEEP_MIN_S, POLL_SLEEP_MAX_S = 50e-6, 1e-3
 _AGENT_LOCK = threading.Lock()
 
 
@@ -272,7 +278,11 @@ class NixlBlobReader(BlobReader):
         deadline = time.monotonic() + timeout_s
         try:
             state = self.agent.transfer(handle)
+            polls = 0
             while state == "PROC" and time.monotonic() < deadline:
+                polls += 1
+                if polls > SPIN_POLLS:  # a transfer still going after the spins sleeps between checks
+                    time.sleep(min(POLL_SLEEP_MAX_S, POLL_SLEEP_MIN_S * 2 ** min(polls - SPIN_POLLS, 16)))
                 state = self.agent.check_xfer_state(handle)
         except Exception as exc:
             log.warning("nixl read from %s failed: %s", remote, exc)
