@@ -29,8 +29,7 @@ from dataclasses import dataclass, field
 
 from scd_store.adapters.vllm.threads import join_all, start_threads
 from scd_store.service import Lookup
-from scd_store.service.log_once import LogOnce
-from scd_store.store.log_once import Incidents
+from scd_store.service.log_once import Incidents, LogOnce
 
 log = logging.getLogger("scd_store.adapters.vllm")
 MISS = Lookup(0, 0)

@@ -15,7 +15,7 @@ pytest.importorskip("vllm", reason="the vLLM stack is installed by `make test`")
 from scd_store.adapters.vllm.lookups import MISS, Lookups  # noqa: E402
 from scd_store.adapters.vllm.scheduler_side import SchedulerSide  # noqa: E402
 from scd_store.service import Lookup  # noqa: E402
-from scd_store.store.log_once import Incidents  # noqa: E402
+from scd_store.service.log_once import Incidents  # noqa: E402
 from scd_store.store.stats import StoreStats  # noqa: E402
 from tests.adapters.vllm.test_scheduler_side import BLOCK, CHUNK, request  # noqa: E402
 
