@@ -44,13 +44,15 @@ def tiny_space(budget: float = 0.4, space_id: str = "tiny-space", sinks: int = 2
 
 
 def write_tiny_bundle(path: Path, consumers: tuple[str, ...] = ("consumer-a",), budget: float = 0.4,
-                      space_id: str = "tiny-space") -> CodeSpace:
-    """Write a bundle for ``PRODUCER`` and ``consumers``: consumer i's decoder scales the identity by 1 + i/10."""
+                      space_id: str = "tiny-space", fingerprint_suffix: str = "-fp") -> CodeSpace:
+    """Write a bundle for ``PRODUCER`` and ``consumers`` (weights fingerprints: name + ``fingerprint_suffix``):
+    consumer i's decoder scales the identity by 1 + i/10."""
     space = tiny_space(budget, space_id)
     save_space(path, space, extra={"producer": PRODUCER})
     for i, name in enumerate(consumers):
         g, c = space.layout.groups, space.layout.width
         weight = torch.eye(c).expand(g, c, c) * (i / 10)  # the decoder is residual: out = x + x W + b
-        decoder = PairDecoder(name, space.fingerprint, weight.contiguous(), torch.zeros(g, c), f"{name}-fp")
+        fingerprint = name + fingerprint_suffix
+        decoder = PairDecoder(name, space.fingerprint, weight.contiguous(), torch.zeros(g, c), fingerprint)
         save_pair(path, decoder)
     return space

@@ -56,8 +56,11 @@ def catalog_consumers() -> tuple[str, ...]:
     return tuple(catalog.CONSUMERS)
 
 
+DEMO_BUNDLE_HELP = "calibration bundle (default: the demo's, kept with scd-store for the catalog fine-tunes)"
+
+
 def _demo_bundle(given: str | None) -> str:
-    """``given``, or the demo's quick bundle (calibrated once, then cached)."""
+    """``given``, or the demo's bundle (the one kept with scd-store for the catalog pairs when it fits)."""
     if given:
         return given
     from rich.console import Console
@@ -226,7 +229,7 @@ def add_bench_parsers(bench: Any) -> None:
 
     serve = bench.add_parser("serve", help="measured: client-side TTFT and throughput against real vLLM servers, "
                              "codes vs own prefill vs raw KV reuse")
-    serve.add_argument("--bundle", help="calibration bundle (default: the demo's quick one, calibrated once)")
+    serve.add_argument("--bundle", help=DEMO_BUNDLE_HELP)
     serve.add_argument("--consumer", default="smollm2-135m-shakespeare")
     serve.add_argument("--prefix-tokens", type=int, nargs="+", help="default 512 1024 2048 (with --link: 512 2048)")
     serve.add_argument("--concurrency", type=int, nargs="+", help="default 1 4 16 (with --link: 1 16)")
@@ -249,7 +252,7 @@ def add_bench_parsers(bench: Any) -> None:
 
     slow = bench.add_parser("async-load", help="measured: the other requests' inter-token latency while a consumer's "
                             "codes come over a slow link to Redis, with async_loads on and off (real vLLM server)")
-    slow.add_argument("--bundle", help="calibration bundle (default: the demo's quick one, calibrated once)")
+    slow.add_argument("--bundle", help=DEMO_BUNDLE_HELP)
     slow.add_argument("--consumer", default="smollm2-135m-shakespeare")
     slow.add_argument("--prefix-tokens", type=int, default=2048, help="the stored prefix of each probe request")
     slow.add_argument("--probes", type=int, default=3, help="consumer requests whose prefix only Redis holds")

@@ -11,6 +11,7 @@ under the data dir) unless ``--redis URL`` adds a Redis tier (and keeps the regi
 from __future__ import annotations
 
 import hashlib
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from scd_store.cli.tables import one_line
 from scd_store.codecs.kv_state import KVState
 from scd_store.errors import ScdStoreError
 from scd_store.models import catalog
+from scd_store.models.catalog_bundle import CATALOG_BUNDLE, bundle_misfit
 from scd_store.models.prepare import ModelNotPrepared
 from scd_store.paths import data_dir
 from scd_store.service import KVService
@@ -40,8 +42,6 @@ from scd_store.store.keys import chunk_hashes
 
 DEMO_CHUNK = 256
 ENGINES = ("auto", "vllm", "transformers")
-# ~3 min for both consumers on 2 AMX cores, ~7 on 2 AVX2 ones (32 scored tokens a step: the quick bundle)
-QUICK_CALIBRATION = {"steps": 100, "windows": 24, "base_config": CalibrationConfig(continuation_tokens=32)}
 
 
 class DemoError(ScdStoreError, RuntimeError):
@@ -60,10 +60,13 @@ class DemoConfig:
     device: str = "cpu"
     store_dir: str | None = None  # the embedded store's directory (default: <data dir>/demo-store)
     engine: str = "auto"  # "vllm" (real servers), "transformers" (this process), "auto": vllm when installed
+    agreement_requests: int = 20  # vLLM: held-out requests per fine-tune whose answers are compared (0: none)
 
     def __post_init__(self) -> None:
         if self.new_tokens <= 0:
             raise ValueError("new_tokens must be positive")
+        if self.agreement_requests < 0:
+            raise ValueError("agreement_requests must be >= 0")
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
 
@@ -84,24 +87,32 @@ def _load(name: str, device: str) -> LoadedModel:
 
 
 def demo_bundle(config: DemoConfig, producer: LoadedModel, consumers: list[LoadedModel], console: Console) -> Path:
-    """The bundle to serve: ``--bundle``, else a quick shared calibration cached by model fingerprints."""
+    """The bundle to serve: ``--bundle``; else the one kept with scd-store for the catalog pairs when it fits
+    these models' weights; else one calibrated here at the defaults (once, cached by the models' fingerprints)."""
     if config.bundle:
         path = Path(config.bundle)
         if not (path / "space.json").is_file():
             raise DemoError(f"--bundle {path} is not a calibration bundle (no space.json)")
         return path
-    key = hashlib.sha256("|".join([producer.fingerprint, *(c.fingerprint for c in consumers),
-                                   str(QUICK_CALIBRATION), repr(CalibrationConfig())]).encode()).hexdigest()[:16]
+    fingerprints = {c.name: c.fingerprint for c in consumers}
+    misfit = bundle_misfit(CATALOG_BUNDLE, producer.fingerprint, fingerprints)
+    if misfit is None:
+        console.print(f"code space and decoders: {CATALOG_BUNDLE} (kept with scd-store; calibrated at the defaults)")
+        return CATALOG_BUNDLE
+    key = hashlib.sha256("|".join([producer.fingerprint, *fingerprints.values(),
+                                   repr(CalibrationConfig())]).encode()).hexdigest()[:16]
     path = data_dir() / "bundles" / f"demo-{key}"
-    if (path / "space.json").is_file() and all((path / "pairs" / f"{c.name}.json").is_file() for c in consumers):
-        console.print(f"code space and decoders: {path} (cached)")
+    if bundle_misfit(path, producer.fingerprint, fingerprints) is None:
+        console.print(f"code space and decoders: {path} (calibrated here at the defaults)")
         return path
-    console.print(f"[bold]No bundle yet: calibrating a quick shared code space for {len(consumers)} consumers "
-                  f"into {path}[/bold] (once; a fuller one: `scd-store calibrate --consumer ... --out DIR`)")
+    console.print(f"[bold]The bundle kept with scd-store does not fit these models ({misfit}): calibrating a "
+                  f"shared code space for {len(consumers)} consumers at the defaults into {path}[/bold] (once)")
     from scd_store.adapters.transformers.calibration import calibrate
 
     tmp = path.with_name(path.name + ".tmp")
-    calibrate(producer.name, [c.name for c in consumers], tmp, **QUICK_CALIBRATION)
+    shutil.rmtree(tmp, ignore_errors=True)
+    calibrate(producer.name, [c.name for c in consumers], tmp)
+    shutil.rmtree(path, ignore_errors=True)
     tmp.rename(path)
     return path
 
@@ -176,7 +187,7 @@ def run_demo(config: DemoConfig) -> int:
         from scd_store.cli.demo.servers import run_server_demo
 
         return run_server_demo(producer, consumers, bundle, config.new_tokens, config.redis_url, console,
-                               Path(config.store_dir) if config.store_dir else None)
+                               Path(config.store_dir) if config.store_dir else None, config.agreement_requests)
     console.print("[bold]Engine: transformers in this process[/bold] (--engine vllm runs real vLLM servers)")
     try:
         store = open_store(demo_store_config(config))
