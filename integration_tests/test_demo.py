@@ -14,7 +14,7 @@ def test_demo_on_real_vllm_servers(tiny_bundle, tmp_path, monkeypatch, capsys):
     pytest.importorskip("vllm", reason="the vLLM stack is installed by `make test`")
     monkeypatch.setenv("COLUMNS", "240")
     assert main(DemoConfig(bundle=str(tiny_bundle), new_tokens=4, store_dir=str(tmp_path / "demo"),
-                           engine="vllm")) == 0
+                           engine="vllm", agreement_requests=2)) == 0
     out = capsys.readouterr().out
     assert "prefilled the shared prefix once" in out and "3 chunks of 256 stored as codes" in out
     for name in catalog.CONSUMERS:
@@ -23,8 +23,11 @@ def test_demo_on_real_vllm_servers(tiny_bundle, tmp_path, monkeypatch, capsys):
     assert out.count("scd codes:") == 6 and out.count("raw KV reuse:") == 6 and out.count("own prefill:") == 6
     moved = [float(codes) for codes in re.findall(r"([0-9.]+) / 16\.88 MiB", out)]  # codes / the chunks' fp16 KV
     assert len(moved) == 6 and all(0 < codes < 16.88 * 0.3 for codes in moved)
+    agreement = out.split("Greedy answers on held-out requests")[1].split("scd-store hits per pair")[0]
+    for name in catalog.CONSUMERS:  # codes, raw KV and their paired difference, each with an interval
+        assert re.search(rf"{name} +│ 2 +│ [0-9.]+% \[[0-9.]+, [0-9.]+\] +│ [0-9.]+% \[", agreement), agreement
     pairs = out.split("scd-store hits per pair")[1].split("per engine process")[0]
-    assert pairs.count("100.0%") == 2 and pairs.count("2,304") == 4  # 3 requests x 768 tokens, all hit
+    assert pairs.count("100.0%") == 2 and pairs.count("3,328") == 4  # 3 x 768 + 2 held-out x 512 tokens, all hit
 
 
 def test_demo_serves_both_consumers_from_codes(tiny_bundle, tmp_path, monkeypatch, capsys):

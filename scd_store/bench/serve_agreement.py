@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from scd_store.adapters.transformers import LoadedModel, greedy_logprobs
+from scd_store.bench.intervals import bootstrap_mean, bootstrap_paired
 from scd_store.bench.metrics import common_prefix
 from scd_store.bench.serving import CHUNK, ROUTES, Deployment
 from scd_store.bench.vllm_server import choice_tokens
@@ -22,6 +23,11 @@ from scd_store.codecs.kv_state import KVState
 from scd_store.models import catalog
 from scd_store.models.windows import eval_windows
 from scd_store.store.keys import chunk_hashes
+
+
+def position_match(answer: list[int], own: list[int]) -> float:
+    """The share of the consumer's own answer's positions where ``answer`` has the same token."""
+    return sum(x == y for x, y in zip(answer, own, strict=False)) / max(1, len(own))
 
 
 def consumer_agreement(deployment: Deployment, consumer: LoadedModel, windows: int, prefix_tokens: int,
@@ -49,17 +55,21 @@ def consumer_agreement(deployment: Deployment, consumer: LoadedModel, windows: i
         fidelity["equal"] += same
         fidelity["logprob_diffs"] += [abs(a - b) for a, b in zip(logprobs[:same], want_lp[:same], strict=True)]
     own = answers["own"]
-    routes = {}
+    routes, per_window = {}, {}
     for route in ("scd", "raw"):
         pairs = list(zip(answers[route], own, strict=True))
+        per_window[route] = [position_match(a, b) for a, b in pairs]
         routes[route] = {
             "exact_answers": sum(a == b for a, b in pairs), "answers": len(pairs),
             "agreed_prefix_tokens_mean": round(statistics.mean(common_prefix(a, b) for a, b in pairs), 2),
             "position_match": round(sum(x == y for a, b in pairs for x, y in zip(a, b, strict=False))
-                                    / max(1, sum(len(b) for _, b in pairs)), 3)}
+                                    / max(1, sum(len(b) for _, b in pairs)), 3),
+            "position_match_per_window": bootstrap_mean(per_window[route]).as_dict(),
+            "position_match_windows": [round(v, 4) for v in per_window[route]]}
     diffs = fidelity["logprob_diffs"]
     return {"consumer": consumer.name, "windows": windows, "prefix_tokens": prefix_tokens, "tail_tokens": tail_tokens,
             "new_tokens": new_tokens, "against_own_answer": routes,
+            "scd_minus_raw_position_match": bootstrap_paired(per_window["scd"], per_window["raw"]).as_dict(),
             "engine_fidelity": {"what": "the server's greedy tokens from codes against scd-store's transformers "
                                         "decode path on the same stored codes",
                                 "tokens_equal_before_first_difference": f"{fidelity['equal']} of {fidelity['tokens']}",

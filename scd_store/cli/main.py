@@ -101,7 +101,7 @@ def _demo(args: argparse.Namespace) -> int:
     from scd_store.cli.demo.run import DemoConfig, main
 
     return main(DemoConfig(redis_url=args.redis, bundle=args.bundle, new_tokens=args.new_tokens, device=args.device,
-                           engine=args.engine))
+                           engine=args.engine, agreement_requests=args.agreement_requests))
 
 
 def _add_store_commands(sub: argparse._SubParsersAction, bench: argparse._SubParsersAction) -> None:
@@ -203,7 +203,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="the main job: one shared prefill, two fine-tunes served from its codes")
     demo.add_argument("--device", default="cpu")
     demo.add_argument("--redis", help="add a Redis tier (and keep the registry there), e.g. redis://127.0.0.1:6379")
-    demo.add_argument("--bundle", help="serve this calibration bundle (default: a quick one, calibrated once)")
+    demo.add_argument("--bundle", help="serve this calibration bundle (default: the one kept with scd-store for the "
+                                       "catalog fine-tunes, calibrated at the defaults)")
+    demo.add_argument("--agreement-requests", type=int, default=20,
+                      help="held-out requests per fine-tune whose answers are compared with its own, codes and raw "
+                           "KV, with 95%% intervals (vLLM; 0: none)")
     demo.add_argument("--new-tokens", type=int, default=24, help="greedy tokens generated per request")
     demo.add_argument("--engine", choices=("auto", "vllm", "transformers"), default="auto",
                       help="vllm: real vLLM servers in their own processes; transformers: this process "

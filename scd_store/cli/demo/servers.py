@@ -15,7 +15,9 @@ from rich.console import Console
 from rich.table import Table
 
 from scd_store.adapters.transformers import LoadedModel
+from scd_store.bench.intervals import Interval
 from scd_store.bench.metrics import common_prefix
+from scd_store.bench.serve_agreement import consumer_agreement
 from scd_store.bench.serving import ROUTES, Deployment
 from scd_store.cli.demo.prompts import REQUESTS, SYSTEM_PROMPT
 from scd_store.cli.tables import one_line
@@ -55,10 +57,28 @@ def serve_consumer(deployment: Deployment, consumer: LoadedModel, prefix: list[i
     return rows
 
 
+def agreement_table(results: list[dict], console: Console) -> None:
+    """Position-by-position agreement with each fine-tune's own answers, codes and raw KV, with intervals."""
+    table = Table(title="Greedy answers on held-out requests, token by token, against each fine-tune's own answer "
+                        "(mean over requests [95% bootstrap interval])")
+    for column in ("fine-tune", "requests", "scd codes", "raw KV reuse", "codes minus raw (paired)"):
+        table.add_column(column)
+    for r in results:
+        routes, diff = r["against_own_answer"], r["scd_minus_raw_position_match"]
+        table.add_row(r["consumer"], str(r["windows"]),
+                      *(Interval(**routes[k]["position_match_per_window"]).text() for k in ("scd", "raw")),
+                      f"{diff['mean'] * 100:+.1f} points [{diff['low'] * 100:+.1f}, {diff['high'] * 100:+.1f}]")
+    console.print(table)
+    console.print("Each request: a held-out window of the fine-tune's own text, its 512-token prefix stored once by "
+                  "the base model, a 32-token tail, 16 greedy tokens.")
+
+
 def run_server_demo(producer: LoadedModel, consumers: list[LoadedModel], bundle: Path, new_tokens: int,
-                    redis_url: str | None, console: Console, root: Path | None = None) -> int:
-    """Start the servers, store the shared prefix through the producer, serve every consumer request
-    (servers' store, logs and stats under ``root``, default ``<data dir>/demo-vllm``)."""
+                    redis_url: str | None, console: Console, root: Path | None = None,
+                    agreement_requests: int = 20) -> int:
+    """Start the servers, store the shared prefix through the producer, serve every consumer request, then
+    measure agreement over ``agreement_requests`` held-out requests per fine-tune (servers' store, logs and
+    stats under ``root``, default ``<data dir>/demo-vllm``)."""
     from scd_store.cli.stats_cmd import print_view
     from scd_store.store.stats_sinks import read_redis_stats, read_snapshot_files
 
@@ -73,6 +93,11 @@ def run_server_demo(producer: LoadedModel, consumers: list[LoadedModel], bundle:
                       f"token after {produced.ttft_s * 1e3:.0f} ms at the client; {covered // 256} chunks of 256 "
                       f"stored as codes (and as raw KV, for the baseline) from bundle {bundle.name}.")
         summary = {c.name: serve_consumer(deployment, c, prefix, new_tokens, console) for c in consumers}
+        agreement = []
+        if agreement_requests:
+            console.print(f"[bold]Agreement over {agreement_requests} held-out requests per fine-tune[/bold] "
+                          "(each answered three ways; about 4 s a request here)")
+            agreement = [consumer_agreement(deployment, c, agreement_requests, 512, 32, 16) for c in consumers]
     console.print("[bold]Greedy answers against each consumer's own[/bold] (tokens agreeing before the first "
                   "difference, all requests):")
     for name, rows in summary.items():
@@ -81,6 +106,8 @@ def run_server_demo(producer: LoadedModel, consumers: list[LoadedModel], bundle:
                       f"{sum(r['same']['raw'] for r in rows)} of {total}; TTFT own / codes / raw (mean) "
                       + " / ".join(f"{sum(r['answers'][k].ttft_s for r in rows) / len(rows) * 1e3:.0f} ms"
                                    for k in ROUTES))
+    if agreement:
+        agreement_table(agreement, console)
     if redis_url is None:
         print_view(read_snapshot_files(root / "stats"), f"the demo's servers: scd-store stats --file {root / 'stats'}")
     else:
