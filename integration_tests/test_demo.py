@@ -26,6 +26,9 @@ def test_demo_on_real_vllm_servers(tiny_bundle, tmp_path, monkeypatch, capsys):
     agreement = out.split("Greedy answers on held-out requests")[1].split("scd-store hits per pair")[0]
     for name in catalog.CONSUMERS:  # codes, raw KV and their paired difference, each with an interval
         assert re.search(rf"{name} +│ 2 +│ [0-9.]+% \[[0-9.]+, [0-9.]+\] +│ [0-9.]+% \[", agreement), agreement
+    next_token = agreement.split("Next token, given the fine-tune's own text so far")[1]
+    for name in catalog.CONSUMERS:  # teacher-forced top-1 of codes and raw KV, their paired difference, KL
+        assert re.search(rf"{name} +│ [0-9.]+% \[[0-9.]+, [0-9.]+\] +│ [0-9.]+% \[.* points \[", next_token), next_token
     pairs = out.split("scd-store hits per pair")[1].split("per engine process")[0]
     assert pairs.count("100.0%") == 2 and pairs.count("3,328") == 4  # 3 x 768 + 2 held-out x 512 tokens, all hit
 

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from scd_store.adapters.transformers import LoadedModel, greedy_logprobs
+from scd_store.adapters.transformers import LoadedModel, continue_with_prefix, greedy_logprobs, prefill_capture
+from scd_store.adapters.transformers.inject import mean_kl
 from scd_store.bench.intervals import bootstrap_mean, bootstrap_paired
 from scd_store.bench.metrics import common_prefix
 from scd_store.bench.serving import CHUNK, ROUTES, Deployment
@@ -30,13 +31,33 @@ def position_match(answer: list[int], own: list[int]) -> float:
     return sum(x == y for x, y in zip(answer, own, strict=False)) / max(1, len(own))
 
 
+def next_token_scores(consumer: LoadedModel, producer: LoadedModel, prefix: list[int], codes: KVState,
+                      rest: list[int]) -> dict[str, tuple[float, float]]:
+    """``{route: (top-1, KL)}`` of the consumer's next-token distributions over ``rest`` (its tail and its own
+    answer) after ``prefix`` held as decoded codes and as the producer's raw KV, against its own prefill."""
+    ids = torch.tensor(rest)
+    own, _ = prefill_capture(consumer.model, torch.tensor(prefix))
+    raw, _ = prefill_capture(producer.model, torch.tensor(prefix))
+    oracle = continue_with_prefix(consumer.model, own, ids)
+    out = {}
+    for route, state in (("scd", codes), ("raw", raw)):
+        logits = continue_with_prefix(consumer.model, state, ids)
+        out[route] = (float((logits.argmax(-1) == oracle.argmax(-1)).float().mean()), mean_kl(logits, oracle))
+    return out
+
+
 def consumer_agreement(deployment: Deployment, consumer: LoadedModel, windows: int, prefix_tokens: int,
-                       tail_tokens: int, new_tokens: int, seed: int = 7) -> dict[str, Any]:
-    """Greedy agreement per route with the consumer's own answer, and fidelity to the transformers path."""
+                       tail_tokens: int, new_tokens: int, seed: int = 7,
+                       producer: LoadedModel | None = None) -> dict[str, Any]:
+    """Greedy agreement per route with the consumer's own answer, and fidelity to the transformers path. With
+    ``producer``, also each window's next-token top-1 and KL against the consumer's own prefill, teacher-forced
+    along its tail and own answer (:func:`next_token_scores`): a far less noisy measure than free-running
+    greedy answers, which part for good at their first different token."""
     base, server = deployment.servers[deployment.producer], deployment.servers[consumer.name]
     corpus = catalog.consumer(consumer.name).corpus if consumer.name in catalog.CONSUMERS else "shakespeare"
     answers: dict[str, list[list[int]]] = {route: [] for route in ROUTES}
     fidelity = {"tokens": 0, "equal": 0, "logprob_diffs": []}
+    scores: dict[str, list[tuple[float, float]]] = {"scd": [], "raw": []}
     service = deployment.store_service()
     for window in eval_windows(consumer.tokenizer, corpus, windows, prefix_tokens + tail_tokens, seed=seed):
         prompt = [int(t) for t in window]
@@ -54,6 +75,11 @@ def consumer_agreement(deployment: Deployment, consumer: LoadedModel, windows: i
         fidelity["tokens"] += len(want)
         fidelity["equal"] += same
         fidelity["logprob_diffs"] += [abs(a - b) for a, b in zip(logprobs[:same], want_lp[:same], strict=True)]
+        if producer is not None:
+            window_scores = next_token_scores(consumer, producer, prompt[:covered], KVState.cat(states),
+                                              prompt[covered:] + answers["own"][-1])
+            for route, score in window_scores.items():
+                scores[route].append(score)
     own = answers["own"]
     routes, per_window = {}, {}
     for route in ("scd", "raw"):
@@ -67,11 +93,23 @@ def consumer_agreement(deployment: Deployment, consumer: LoadedModel, windows: i
             "position_match_per_window": bootstrap_mean(per_window[route]).as_dict(),
             "position_match_windows": [round(v, 4) for v in per_window[route]]}
     diffs = fidelity["logprob_diffs"]
+    extra = {"next_token": next_token_report(scores)} if producer is not None else {}
     return {"consumer": consumer.name, "windows": windows, "prefix_tokens": prefix_tokens, "tail_tokens": tail_tokens,
-            "new_tokens": new_tokens, "against_own_answer": routes,
+            "new_tokens": new_tokens, "against_own_answer": routes, **extra,
             "scd_minus_raw_position_match": bootstrap_paired(per_window["scd"], per_window["raw"]).as_dict(),
             "engine_fidelity": {"what": "the server's greedy tokens from codes against scd-store's transformers "
                                         "decode path on the same stored codes",
                                 "tokens_equal_before_first_difference": f"{fidelity['equal']} of {fidelity['tokens']}",
                                 "logprob_abs_diff_max": round(max(diffs), 6) if diffs else None,
                                 "logprob_abs_diff_mean": round(statistics.mean(diffs), 6) if diffs else None}}
+
+
+def next_token_report(scores: dict[str, list[tuple[float, float]]]) -> dict[str, Any]:
+    """Per route, the windows' mean top-1 and KL with intervals, and the paired codes-minus-raw differences."""
+    top1 = {route: [t for t, _ in values] for route, values in scores.items()}
+    kl = {route: [k for _, k in values] for route, values in scores.items()}
+    return {"what": "teacher-forced along the consumer's tail and own answer, against its own prefill",
+            **{route: {"top1": bootstrap_mean(top1[route]).as_dict(), "kl": bootstrap_mean(kl[route]).as_dict()}
+               for route in scores},
+            "scd_minus_raw_top1": bootstrap_paired(top1["scd"], top1["raw"]).as_dict(),
+            "scd_minus_raw_kl": bootstrap_paired(kl["scd"], kl["raw"]).as_dict()}

@@ -69,8 +69,26 @@ def agreement_table(results: list[dict], console: Console) -> None:
                       *(Interval(**routes[k]["position_match_per_window"]).text() for k in ("scd", "raw")),
                       f"{diff['mean'] * 100:+.1f} points [{diff['low'] * 100:+.1f}, {diff['high'] * 100:+.1f}]")
     console.print(table)
+    table = Table(title="Next token, given the fine-tune's own text so far (its tail and own answer, 48 tokens a "
+                        "request): top-1 and KL against its own prefill [95% bootstrap interval]")
+    for column in ("fine-tune", "top-1: scd codes", "top-1: raw KV", "top-1: codes minus raw (paired)",
+                   "KL: scd codes", "KL: raw KV"):
+        table.add_column(column)
+    for r in results:
+        scores = r.get("next_token")
+        if scores is None:
+            continue
+        top1 = [Interval(**scores[k]["top1"]).text() for k in ("scd", "raw")]
+        diff = scores["scd_minus_raw_top1"]
+        table.add_row(r["consumer"], *top1, f"{diff['mean'] * 100:+.1f} points [{diff['low'] * 100:+.1f}, "
+                      f"{diff['high'] * 100:+.1f}]", *(Interval(**scores[k]["kl"]).text(percent=False)
+                                                      for k in ("scd", "raw")))
+    console.print(table)
     console.print("Each request: a held-out window of the fine-tune's own text, its 512-token prefix stored once by "
-                  "the base model, a 32-token tail, 16 greedy tokens.")
+                  "the base model, a 32-token tail, 16 greedy tokens. Greedy answers part for good at their first "
+                  "different token, so token-by-token agreement of free answers is noisy; the next-token table scores "
+                  "every position given the fine-tune's own text, from the same stored codes the servers loaded "
+                  "(decoded by scd-store, which the servers' tokens match: bench serve's engine fidelity).")
 
 
 def run_server_demo(producer: LoadedModel, consumers: list[LoadedModel], bundle: Path, new_tokens: int,
@@ -97,7 +115,8 @@ def run_server_demo(producer: LoadedModel, consumers: list[LoadedModel], bundle:
         if agreement_requests:
             console.print(f"[bold]Agreement over {agreement_requests} held-out requests per fine-tune[/bold] "
                           "(each answered three ways; about 4 s a request here)")
-            agreement = [consumer_agreement(deployment, c, agreement_requests, 512, 32, 16) for c in consumers]
+            agreement = [consumer_agreement(deployment, c, agreement_requests, 512, 32, 16, producer=producer)
+                         for c in consumers]
     console.print("[bold]Greedy answers against each consumer's own[/bold] (tokens agreeing before the first "
                   "difference, all requests):")
     for name, rows in summary.items():
