@@ -193,6 +193,20 @@ def bench_engine_put(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench_entropy(args: argparse.Namespace) -> int:
+    import json
+
+    from scd_store.bench.entropy import EntropyConfig, run_entropy
+
+    config = EntropyConfig(_demo_bundle(args.bundle), table_windows=args.table_windows, test_windows=args.test_windows,
+                           seed=args.seed)
+    text = json.dumps(run_entropy(config), indent=1)
+    if args.json:
+        args.json.write_text(text + "\n")
+    print(text)
+    return 0
+
+
 def add_bench_parsers(bench: Any) -> None:
     decode = bench.add_parser("decode", help="SCD decode time against the consumer's own prefill")
     decode.add_argument("--prefix-tokens", type=int, nargs="+", default=[448, 2048])
@@ -268,6 +282,15 @@ def add_bench_parsers(bench: Any) -> None:
                              "Llama-3-8B, a multi-head 7B; computed from configs)")
     sizes.add_argument("--json", type=Path)
     sizes.set_defaults(func=bench_decoder_sizes)
+
+    entropy = bench.add_parser("entropy", help="measured: what a space's indices cost entropy-coded (order 0, "
+                               "with token / layer contexts, fractional-rate scalar quantisers), before a coder")
+    entropy.add_argument("--bundle", type=Path, default=None, help=DEMO_BUNDLE_HELP)
+    entropy.add_argument("--table-windows", type=int, default=24, help="calibration windows per corpus (the tables)")
+    entropy.add_argument("--test-windows", type=int, default=24, help="held-out windows per corpus (the rates)")
+    entropy.add_argument("--seed", type=int, default=0)
+    entropy.add_argument("--json", type=Path)
+    entropy.set_defaults(func=bench_entropy)
 
     engine_put = bench.add_parser("engine-put", help="what a producer engine's thread waits for per stored prompt "
                                   "(a real LMCacheEngine with the plugin)")
