@@ -4,7 +4,7 @@ two greedy answers agree."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +17,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 @dataclass(slots=True)
 class ContinuationScore:
-    """Running sums over scored tokens for one method."""
+    """Running sums over scored tokens for one method, and each :meth:`add` call's (a window's) means."""
 
     nll: float = 0.0
     kl: float = 0.0
@@ -25,15 +25,18 @@ class ContinuationScore:
     tokens: int = 0
     payload_bytes: int = 0
     prefix_tokens: int = 0
+    windows: list[tuple[float, float, float]] = field(default_factory=list)  # per call: (nll, kl, top1) means
 
     def add(self, logits: torch.Tensor, oracle_logits: torch.Tensor, targets: torch.Tensor) -> None:
         """Score ``logits`` ``[T, V]`` against the oracle's and the true next tokens ``[T]``."""
         logp = F.log_softmax(logits.float(), dim=-1)
         logq = F.log_softmax(oracle_logits.float(), dim=-1)
-        self.nll += float(-logp.gather(1, targets[:, None].to(logp.device)).sum())
-        self.kl += float((logq.exp() * (logq - logp)).sum())
-        self.top1 += int((logp.argmax(-1) == logq.argmax(-1)).sum())
-        self.tokens += targets.numel()
+        nll = float(-logp.gather(1, targets[:, None].to(logp.device)).sum())
+        kl = float((logq.exp() * (logq - logp)).sum())
+        top1 = int((logp.argmax(-1) == logq.argmax(-1)).sum())
+        n = targets.numel()
+        self.nll, self.kl, self.top1, self.tokens = self.nll + nll, self.kl + kl, self.top1 + top1, self.tokens + n
+        self.windows.append((nll / n, kl / n, top1 / n))
 
     @property
     def ppl(self) -> float:

@@ -19,6 +19,7 @@ from scd_store.adapters.transformers import LoadedModel, continue_with_prefix, l
 from scd_store.adapters.transformers.droidspeak import DroidSpeakCodec, select_group
 from scd_store.bench.metrics import ContinuationScore
 from scd_store.bench.pareto import plot_pareto
+from scd_store.bench.quality_intervals import method_intervals, paired_difference
 from scd_store.codecs import make_codec
 from scd_store.codecs.scd.bundle import load_pair, load_space
 from scd_store.codecs.scd.codec import ScdCodec
@@ -95,6 +96,7 @@ class QualityReport:
     text: str = ""
     methods: list[dict] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)  # method -> why it was not measured
+    paired: list[dict] = field(default_factory=list)  # each scd method minus each other method, same windows
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -170,8 +172,13 @@ def run_quality(config: QualityConfig, progress: bool = True) -> QualityReport:
             "top1": round(s.top1_rate, 4),
             "bytes_per_token": round(s.bytes_per_token, 2),
             "payload_ratio": round(s.bytes_per_token / fp16_per_token, 4),
+            "intervals": method_intervals(s, scores["oracle"]) if name != "oracle" else {},
             **extra,
         })
+    for name in config.scd_method_names():
+        for other in methods:
+            if other not in (name, "oracle"):
+                report.paired.append({"a": name, "b": other, **paired_difference(scores[name], scores[other])})
     return report
 
 

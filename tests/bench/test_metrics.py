@@ -21,3 +21,14 @@ def test_different_logits_score_positive_kl():
     score = ContinuationScore()
     score.add(other, oracle, torch.zeros(8, dtype=torch.long))
     assert score.mean_kl > 0.01 and score.tokens == 8
+
+
+def test_each_window_keeps_its_own_means_beside_the_running_sums():
+    oracle = torch.randn(2, 6, 30)
+    score = ContinuationScore()
+    score.add(oracle[0], oracle[0], torch.zeros(6, dtype=torch.long))
+    score.add(oracle[1] + 3 * torch.randn(6, 30), oracle[1], torch.zeros(6, dtype=torch.long))
+    (nll0, kl0, top0), (nll1, kl1, top1) = score.windows
+    assert abs(kl0) < 1e-6 and top0 == 1.0 and kl1 > 0.1
+    assert math.isclose((kl0 + kl1) / 2, score.mean_kl, rel_tol=1e-6)
+    assert math.isclose(math.exp((nll0 + nll1) / 2), score.ppl, rel_tol=1e-6)
