@@ -1,4 +1,5 @@
-"""Baseline codecs on the producer's raw KV: ``raw`` (fp16 / bf16) and KIVI-style ``int8`` / ``int4``.
+"""Baseline codecs on the producer's raw KV: ``raw`` (fp16 / bf16) and KIVI-style ``int8`` / ``int4`` /
+``int2``.
 
 They carry no consumer adaptation: decoding gives the producer's KV back (up to quantisation).
 Hidden states in a :class:`KVState` are not carried.
@@ -48,13 +49,14 @@ class KiviCodec(Codec):
     KEY_AXIS, VALUE_AXIS = 2, 3  # [layers, heads, tokens, head_dim]
 
     def __init__(self, bits: int, key_group: int = 32, value_group: int = 64):
-        if bits not in (4, 8):
-            raise ValueError(f"KIVI codec supports 4 or 8 bits, not {bits}")
+        if bits not in (2, 4, 8):
+            raise ValueError(f"KIVI codec supports 2, 4 or 8 bits, not {bits}")
         self.bits, self.key_group, self.value_group = bits, key_group, value_group
         self.codec_id = f"int{bits}"
 
     def encode(self, state: KVState) -> bytes:
-        value_group = min(self.value_group, state.head_dim + state.head_dim % 2)
+        multiple = 8 // self.bits
+        value_group = min(self.value_group, -(-state.head_dim // multiple) * multiple)
         k = quantize(state.keys, self.KEY_AXIS, self.key_group, self.bits)
         v = quantize(state.values, self.VALUE_AXIS, value_group, self.bits)
         meta = {"shape": list(state.keys.shape), "bits": self.bits}

@@ -7,15 +7,15 @@ import torch
 from scd_store.codecs.base import Codec
 from scd_store.codecs.baselines import KiviCodec, RawCodec
 
-CODEC_NAMES = ("raw", "raw-bf16", "int8", "int4")
+CODEC_NAMES = ("raw", "raw-bf16", "int8", "int4", "int2")
 
 
 def make_codec(name: str) -> Codec:
-    """Build a baseline codec by name (``raw``, ``raw-bf16``, ``int8``, ``int4``)."""
+    """Build a baseline codec by name (``raw``, ``raw-bf16``, ``int8``, ``int4``, ``int2``)."""
     if name == "raw":
         return RawCodec(torch.float16)
     if name == "raw-bf16":
         return RawCodec(torch.bfloat16)
-    if name in ("int8", "int4"):
+    if name in ("int8", "int4", "int2"):
         return KiviCodec(int(name[3:]))
     raise ValueError(f"unknown codec {name!r}; known: {', '.join(CODEC_NAMES)}")

@@ -28,7 +28,7 @@ from scd_store.models.sources import ModelSource, resolve
 from scd_store.models.user_text import UserText
 from scd_store.models.windows import Corpus, corpus_name, eval_windows
 
-BASELINE_METHODS = ("oracle", "none", "raw", "int8", "int4", "droidspeak")
+BASELINE_METHODS = ("oracle", "none", "raw", "int8", "int4", "int2", "droidspeak")
 SCD_METHOD = "scd"
 DROIDSPEAK = "droidspeak"
 

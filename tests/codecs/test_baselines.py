@@ -9,7 +9,8 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-@pytest.mark.parametrize(("name", "max_err"), [("raw", 1e-3), ("raw-bf16", 5e-3), ("int8", 1e-2), ("int4", 0.15)])
+@pytest.mark.parametrize(("name", "max_err"),
+                         [("raw", 1e-3), ("raw-bf16", 5e-3), ("int8", 1e-2), ("int4", 0.15), ("int2", 0.6)])
 def test_round_trip_error_is_bounded(kv_state, name, max_err, device):
     codec = make_codec(name)
     out = codec.decode(codec.encode(kv_state.to(device)), device=device).to("cpu")
@@ -18,7 +19,7 @@ def test_round_trip_error_is_bounded(kv_state, name, max_err, device):
     assert rel_err(out.values, kv_state.values) < max_err
 
 
-@pytest.mark.parametrize("name", ["raw", "int8", "int4"])
+@pytest.mark.parametrize("name", ["raw", "int8", "int4", "int2"])
 def test_tensor_payload_decodes_like_bytes(kv_state, name, device):
     codec = make_codec(name)
     payload = codec.encode(kv_state)
@@ -28,7 +29,7 @@ def test_tensor_payload_decodes_like_bytes(kv_state, name, device):
 
 def test_payload_sizes_follow_bit_width(kv_state):
     sizes = {name: len(make_codec(name).encode(kv_state)) for name in CODEC_NAMES}
-    assert sizes["int4"] < sizes["int8"] < sizes["raw"]
+    assert sizes["int2"] < sizes["int4"] < sizes["int8"] < sizes["raw"]
     assert sizes["raw"] >= kv_state.fp16_bytes()
 
 
@@ -48,7 +49,7 @@ def test_kivi_groups_keys_per_channel_and_values_per_token():
     assert rel_err(out.values[:, :, others], values[:, :, others]) < 0.15
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [2, 4, 8])
 @pytest.mark.parametrize("length", [1, 31, 32, 45])
 def test_group_quant_handles_ragged_lengths(bits, length):
     x = torch.randn(2, 3, length)
@@ -75,3 +76,12 @@ def test_kv_state_validates_shapes():
         KVState(torch.zeros(2, 4), torch.zeros(2, 4))
     with pytest.raises(ValueError, match="hidden state"):
         KVState(torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4), {0: torch.zeros(3, 8)})
+
+
+def test_two_bit_codes_pack_four_to_a_byte_and_round_trip_exactly():
+    x = torch.arange(64, dtype=torch.float32).reshape(1, 64) % 4  # already on the 4-level grid
+    q = quantize(x, axis=1, group=32, bits=2)
+    assert q.codes.shape == (1, 2, 8)  # 2 groups of 32 codes, 4 per byte
+    torch.testing.assert_close(dequantize(q, axis=1, length=64, bits=2, ndim=2), x)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        quantize(x, axis=1, group=30, bits=2)

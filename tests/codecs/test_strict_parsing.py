@@ -128,7 +128,7 @@ def test_every_count_of_an_scd_payload_refuses_hostile_numbers(field, start):
 
 @pytest.mark.parametrize("path", [("meta", "bits"), ("meta", "shape", 0), ("meta", "shape", 2), ("meta", "shape", 3)],
                          ids=lambda p: ".".join(map(str, p)))
-@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("name", ["int8", "int4", "int2"])
 def test_every_field_of_a_kivi_payload_refuses_hostile_numbers(name, path):
     codec = make_codec(name)
     payload = codec.encode(correlated_state(TOKENS, seed=2))
@@ -156,7 +156,7 @@ def test_kivi_payload_tensors_of_too_few_dimensions_are_refused():
 
 
 # ------------------------------------------------------------------ the token count, bounded before allocation
-CODECS = ["raw", "raw-bf16", "int8", "int4", "scd"]
+CODECS = ["raw", "raw-bf16", "int8", "int4", "int2", "scd"]
 
 
 def _codec(name: str):
