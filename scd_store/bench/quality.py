@@ -29,6 +29,7 @@ from scd_store.models.user_text import UserText
 from scd_store.models.windows import Corpus, corpus_name, eval_windows
 
 BASELINE_METHODS = ("oracle", "none", "raw", "int8", "int4", "int2", "droidspeak")
+EXTRA_METHODS = ("rot1", "rot2", "rot3", "rot4")  # measured when named in --methods
 SCD_METHOD = "scd"
 DROIDSPEAK = "droidspeak"
 
@@ -55,9 +56,9 @@ class QualityConfig:
     def __post_init__(self) -> None:
         if self.windows <= 0 or self.prefix_tokens <= 0 or self.continuation_tokens <= 0:
             raise ValueError("windows, prefix_tokens and continuation_tokens must be positive")
-        unknown = set(self.methods) - set(BASELINE_METHODS)
+        unknown = set(self.methods) - set(BASELINE_METHODS) - set(EXTRA_METHODS)
         if unknown:
-            raise ValueError(f"unknown methods {sorted(unknown)}; known: {', '.join(BASELINE_METHODS)} "
+            raise ValueError(f"unknown methods {sorted(unknown)}; known: {', '.join(BASELINE_METHODS + EXTRA_METHODS)} "
                              "(scd methods come from --bundle)")
         if "oracle" not in self.methods:
             raise ValueError("the oracle method is required: every metric is relative to it")
