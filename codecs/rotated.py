@@ -4,7 +4,8 @@ Each head vector (keys as the engine stores them, values) is multiplied by a ran
 matrix, which spreads its energy evenly, so every rotated coordinate of a unit vector is close to
 ``N(0, 1 / head_dim)``; its norm is kept in fp16, and each normalised coordinate (scaled to unit
 variance) gets the Lloyd-Max quantiser of a unit Gaussian at ``bits`` bits. Bytes: ``bits`` per
-element plus 16 bits per vector. No calibration and no consumer adaptation.
+element plus 16 bits per vector (a head_dim that is not a power of two is zero-padded to one, and
+the padding's codes are paid for too). No calibration and no consumer adaptation.
 """
 
 from __future__ import annotations
@@ -31,6 +32,11 @@ def levels(bits: int) -> torch.Tensor:
     """All ``2^bits`` reconstruction levels, ascending."""
     half = torch.tensor(LLOYD_MAX[bits])
     return torch.cat([-half.flip(0), half])
+
+
+def padded(dim: int) -> int:
+    """The power of two a head vector of ``dim`` numbers is rotated at."""
+    return 1 << max(0, dim - 1).bit_length()
 
 
 def rotation(dim: int) -> torch.Tensor:
@@ -76,8 +82,9 @@ class RotatedCodec(Codec):
         self.codec_id = f"rot{bits}"
 
     def _encode_tensor(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        d = x.shape[-1]
-        rotated = x.float() @ rotation(d).to(x.device).T
+        d = padded(x.shape[-1])
+        x = torch.nn.functional.pad(x.float(), (0, d - x.shape[-1]))
+        rotated = x @ rotation(d).to(x.device).T
         norm = rotated.norm(dim=-1, keepdim=True)
         unit = rotated / norm.clamp_min(1e-12) * math.sqrt(d)  # coordinates ~ N(0, 1)
         lv = levels(self.bits).to(x.device)
@@ -86,14 +93,13 @@ class RotatedCodec(Codec):
         return pack_bits(codes, self.bits), norm.squeeze(-1).half()
 
     def _decode_tensor(self, packed: torch.Tensor, norm: torch.Tensor, shape: list[int], device) -> torch.Tensor:
-        n = math.prod(shape)
-        codes = unpack_bits(packed.to(device), self.bits, n).view(shape)
+        d = padded(shape[-1])
+        codes = unpack_bits(packed.to(device), self.bits, math.prod(shape[:-1]) * d).view(*shape[:-1], d)
         if list(norm.shape) != shape[:-1]:
             raise PayloadError(f"norms of shape {tuple(norm.shape)} do not fit KV of shape {shape}")
-        d = shape[-1]
         unit = levels(self.bits).to(device)[codes.long()]
         rotated = unit * (norm.to(device).float().unsqueeze(-1) / math.sqrt(d))
-        return rotated @ rotation(d).to(device)
+        return (rotated @ rotation(d).to(device))[..., :shape[-1]]
 
     def encode(self, state: KVState) -> bytes:
         k_codes, k_norm = self._encode_tensor(state.keys)

@@ -50,9 +50,14 @@ def test_a_family_calibrates_and_measures_from_checkpoint_directories(family, te
     assert entry["consumers"]["tuned"]["steps"] == 3 and entry["payload_ratio"] < 0.3
     quality = run_quality(QualityConfig(f"tuned={tmp_path / 'tuned'}", producer=str(tmp_path / "base"),
                                         text=eval_text, windows=2, prefix_tokens=64, continuation_tokens=8,
-                                        methods=("oracle", "raw"), bundles=(str(tmp_path / "bundle"),)),
+                                        methods=("oracle", "raw", "rot2"), bundles=(str(tmp_path / "bundle"),),
+                                        no_map=True),
                           progress=False)
     methods = {m["name"]: m for m in quality.methods}
-    assert set(methods) == {"oracle", "raw", "scd"} and methods["oracle"]["kl"] == 0
+    assert set(methods) == {"oracle", "raw", "rot2", "scd", "scd/no-map"} and methods["oracle"]["kl"] == 0
+    assert methods["scd/no-map"]["payload_ratio"] == methods["scd"]["payload_ratio"]
+    assert {(p["a"], p["b"]) for p in quality.paired} == {("scd", "raw"), ("scd", "rot2"), ("scd", "scd/no-map")}
+    ci = methods["scd"]["intervals"]["kl"]
+    assert ci["low"] <= methods["scd"]["kl"] <= ci["high"] and ci["n"] == 2
     assert all(torch.isfinite(torch.tensor([m["kl"], m["ppl"]])).all() for m in methods.values())
     assert methods["scd"]["payload_ratio"] < 0.35 < methods["raw"]["payload_ratio"]  # 4 raw sinks in 64 tokens

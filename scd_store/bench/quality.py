@@ -23,6 +23,7 @@ from scd_store.bench.quality_intervals import method_intervals, paired_differenc
 from scd_store.codecs import make_codec
 from scd_store.codecs.scd.bundle import load_pair, load_space
 from scd_store.codecs.scd.codec import ScdCodec
+from scd_store.codecs.scd.decoder import PairDecoder
 from scd_store.models import catalog
 from scd_store.models.sources import ModelSource, resolve
 from scd_store.models.user_text import UserText
@@ -31,6 +32,7 @@ from scd_store.models.windows import Corpus, corpus_name, eval_windows
 BASELINE_METHODS = ("oracle", "none", "raw", "int8", "int4", "int2", "droidspeak")
 EXTRA_METHODS = ("rot1", "rot2", "rot3", "rot4")  # measured when named in --methods
 SCD_METHOD = "scd"
+NO_MAP = "/no-map"  # suffix of a bundle's space decoded without its consumer's map (KVTC-style: no adaptation)
 DROIDSPEAK = "droidspeak"
 
 
@@ -49,6 +51,7 @@ class QualityConfig:
     methods: tuple[str, ...] = BASELINE_METHODS
     device: str = "cpu"
     bundles: tuple[str, ...] = ()  # SCD calibration bundles: each adds an scd method (see scd_method_names)
+    no_map: bool = False  # also each bundle's space with no decoder map (the producer's KV through the codes alone)
     droidspeak_layers: int = 6  # size of the layer group the droidspeak baseline recomputes
     selection_windows: int = 4  # calibration-split windows that choose the droidspeak group
     selection_stride: int = 1  # candidate group starts tried: every layer, or every n-th
@@ -97,7 +100,7 @@ class QualityReport:
     text: str = ""
     methods: list[dict] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)  # method -> why it was not measured
-    paired: list[dict] = field(default_factory=list)  # each scd method minus each other method, same windows
+    paired: list[dict] = field(default_factory=list)  # each scd method minus each baseline (and its no-map twin)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -119,10 +122,15 @@ def run_quality(config: QualityConfig, progress: bool = True) -> QualityReport:
     length = config.prefix_tokens + config.continuation_tokens + 1
     windows = eval_windows(consumer.tokenizer, corpus, config.windows, length, config.seed)
     methods = [*base_methods, *config.scd_method_names()]
+    if config.no_map:
+        methods += [name + NO_MAP for name in config.scd_method_names()]
     scores = {name: ContinuationScore() for name in methods}
     codecs = {name: make_codec(name) for name in base_methods if name not in ("oracle", "none", DROIDSPEAK)}
     for name, bundle in zip(config.scd_method_names(), config.bundles, strict=True):
         codecs[name] = load_scd_codec(Path(bundle), producer, consumer)
+        if config.no_map:
+            space = codecs[name].space
+            codecs[name + NO_MAP] = ScdCodec(space, PairDecoder.identity(space, consumer.name))
     residual_layers: list[int] = []
     hidden_layers = sorted({layer for name in config.scd_method_names() for layer in codecs[name].space.patch_layers})
     if DROIDSPEAK in base_methods:
@@ -176,10 +184,10 @@ def run_quality(config: QualityConfig, progress: bool = True) -> QualityReport:
             "intervals": method_intervals(s, scores["oracle"]) if name != "oracle" else {},
             **extra,
         })
+    baselines = [m for m in base_methods if m != "oracle"]
     for name in config.scd_method_names():
-        for other in methods:
-            if other not in (name, "oracle"):
-                report.paired.append({"a": name, "b": other, **paired_difference(scores[name], scores[other])})
+        for other in baselines + ([name + NO_MAP] if config.no_map else []):
+            report.paired.append({"a": name, "b": other, **paired_difference(scores[name], scores[other])})
     return report
 
 

@@ -49,7 +49,7 @@ def _bench_quality(args: argparse.Namespace) -> int:
     config = QualityConfig(args.consumer, producer=args.producer, text=tuple(args.text),
                            calib_text=tuple(args.calib_text), windows=args.windows, seed=args.seed, device=args.device,
                            prefix_tokens=args.prefix_tokens, continuation_tokens=args.continuation_tokens,
-                           bundles=tuple(str(b) for b in args.bundle),
+                           bundles=tuple(str(b) for b in args.bundle), no_map=args.no_map,
                            droidspeak_layers=args.droidspeak_layers, **methods)
     if args.quick:
         config = config.quick()
@@ -153,7 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
     quality.add_argument("--json", type=Path, help="write the report here")
     quality.add_argument("--bundle", type=Path, action="append", default=[],
                          help="an SCD calibration bundle: adds an scd method (repeat for a budget sweep)")
-    quality.add_argument("--methods", help="comma-separated subset (oracle is always measured); default: all baselines")
+    quality.add_argument("--methods", help="comma-separated subset (oracle is always measured); default: all baselines "
+                                           "(rot1..rot4, the rotated scalar quantiser, only when named)")
+    quality.add_argument("--no-map", action="store_true",
+                         help="also each bundle's codes decoded without the consumer's map (no adaptation)")
     quality.add_argument("--droidspeak-layers", type=int, default=6, help="layers the droidspeak baseline recomputes")
     quality.set_defaults(func=_bench_quality)
     _add_store_commands(sub, bench)

@@ -48,3 +48,12 @@ def test_a_payload_whose_norms_do_not_fit_its_shape_is_refused(kv_state):
 def test_levels_are_symmetric_and_ascending():
     lv = levels(3)
     assert lv.numel() == 8 and bool((lv.diff() > 0).all()) and math.isclose(float(lv.sum()), 0.0, abs_tol=1e-6)
+
+
+def test_a_head_dim_that_is_not_a_power_of_two_is_padded_and_cut_back():
+    gen = torch.Generator().manual_seed(3)
+    state = KVState(torch.randn(2, 1, 12, 48, generator=gen), torch.randn(2, 1, 12, 48, generator=gen))
+    codec = make_codec("rot3")
+    out = codec.decode(codec.encode(state))
+    assert out.keys.shape == state.keys.shape
+    assert float((out.keys - state.keys).pow(2).sum() / state.keys.pow(2).sum()) < 0.08
