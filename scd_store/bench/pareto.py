@@ -1,4 +1,4 @@
-"""The quality Pareto plot: payload ratio against continuation-perplexity increase, per method."""
+"""The quality Pareto plot: payload ratio against each quality measure (perplexity rise, KL, top-1), per method."""
 
 from __future__ import annotations
 
@@ -6,16 +6,40 @@ import json
 from pathlib import Path
 
 SKIPPED = ("oracle", "none")  # the reference, and the no-prefix point far above every method
+# (report field, axis label, scale, lower is better)
+MEASURES = (("ppl_rel", "continuation PPL vs own prefill (%)", 100.0, True),
+            ("kl", "KL(own prefill || method), nats / token", 1.0, True),
+            ("top1", "top-1 agreement with own prefill (%)", 100.0, False))
 
 
-def pareto_points(report: dict) -> list[tuple[str, float, float]]:
-    """``(method, payload_ratio, ppl_rel)`` of every method in a quality report but the references."""
-    return [(m["name"], m["payload_ratio"], m["ppl_rel"]) for m in report["methods"] if m["name"] not in SKIPPED]
+def pareto_points(report: dict, measure: str = "ppl_rel") -> list[tuple[str, float, float]]:
+    """``(method, payload_ratio, value of measure)`` of every method in a quality report but the references."""
+    return [(m["name"], m["payload_ratio"], m[measure]) for m in report["methods"] if m["name"] not in SKIPPED]
+
+
+def _interval(report: dict, name: str, measure: str) -> tuple[float, float] | None:
+    """A method's ``(low, high)`` for ``measure`` when the report carries intervals."""
+    for m in report["methods"]:
+        if m["name"] == name:
+            ci = (m.get("intervals") or {}).get(measure)
+            return (ci["low"], ci["high"]) if ci else None
+    return None
+
+
+def frontier(points: list[tuple[str, float, float]], lower_is_better: bool) -> list[tuple[float, float]]:
+    """The points no cheaper point beats, in payload order: ``(payload_ratio, value)``."""
+    out, best = [], float("inf")
+    for _, ratio, value in sorted(points, key=lambda p: p[1]):
+        score = value if lower_is_better else -value
+        if score < best:
+            best = score
+            out.append((ratio, value))
+    return out
 
 
 def plot_pareto(reports: list[dict], path: Path) -> Path:
-    """One panel per report (consumer): each method and budget a labelled point, the lower-left frontier
-    drawn. Writes a PNG and returns its path."""
+    """One column per report (consumer), one row per measure: each method a labelled point with its
+    interval where the report has one, the frontier dashed. Writes a PNG and returns its path."""
     try:
         import matplotlib
     except ModuleNotFoundError as exc:
@@ -26,30 +50,36 @@ def plot_pareto(reports: list[dict], path: Path) -> Path:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import PercentFormatter
 
-    fig, axes = plt.subplots(1, len(reports), figsize=(6 * len(reports), 4.5), squeeze=False)
-    for ax, report in zip(axes[0], reports, strict=True):
-        points = sorted(pareto_points(report), key=lambda p: p[1])
-        for name, ratio, rel in points:
-            ax.scatter(ratio, 100 * rel, s=30, color="tab:red" if name.startswith("scd") else "tab:blue")
-            ax.annotate(name, (ratio, 100 * rel), textcoords="offset points", xytext=(4, 4), fontsize=8)
-        frontier, best = [], float("inf")
-        for _, ratio, rel in points:
-            if rel < best:
-                best = rel
-                frontier.append((ratio, 100 * rel))
-        if frontier:
-            ax.step(*zip(*frontier, strict=True), where="post", color="grey", linewidth=0.8, linestyle="--")
-        ax.set_xscale("log")
-        ax.xaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
-        ax.xaxis.set_minor_formatter(PercentFormatter(1.0, decimals=0))
-        ax.set_xlabel("payload / raw fp16 KV")
-        ax.set_ylabel("continuation PPL vs consumer's own prefill (%)")
-        ax.set_title(f"{report['consumer']} ({report['windows']} windows, {report['prefix_tokens']} cached tokens)",
-                     fontsize=9)
-        ax.grid(True, which="both", alpha=0.3)
+    measures = [m for m in MEASURES if all(all(m[0] in x for x in r["methods"]) for r in reports)]
+    fig, axes = plt.subplots(len(measures), len(reports), figsize=(6 * len(reports), 3.6 * len(measures)),
+                             squeeze=False)
+    for col, report in enumerate(reports):
+        for row, (measure, label, scale, lower) in enumerate(measures):
+            ax = axes[row][col]
+            points = pareto_points(report, measure)
+            for name, ratio, value in points:
+                color = "tab:red" if name.startswith("scd") else "tab:blue"
+                ax.scatter(ratio, scale * value, s=24, color=color, zorder=3)
+                ci = _interval(report, name, measure)
+                if ci is not None:
+                    ax.vlines(ratio, scale * ci[0], scale * ci[1], color=color, linewidth=1, alpha=0.6)
+                ax.annotate(name, (ratio, scale * value), textcoords="offset points", xytext=(4, 3), fontsize=7)
+            line = frontier(points, lower)
+            if line:
+                ax.step([r for r, _ in line], [scale * v for _, v in line], where="post", color="grey",
+                        linewidth=0.8, linestyle="--")
+            ax.set_xscale("log")
+            ax.xaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
+            ax.xaxis.set_minor_formatter(PercentFormatter(1.0, decimals=0))
+            ax.set_xlabel("payload / raw fp16 KV")
+            ax.set_ylabel(label, fontsize=8)
+            if row == 0:
+                ax.set_title(f"{report['consumer']} ({report['windows']} windows, seed {report.get('seed', 0)}, "
+                             f"{report['prefix_tokens']} cached tokens)", fontsize=9)
+            ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 

@@ -161,7 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     quality.set_defaults(func=_bench_quality)
     _add_store_commands(sub, bench)
 
-    pareto = bench.add_parser("pareto", help="plot quality reports (payload ratio vs PPL increase) into one PNG")
+    pareto = bench.add_parser("pareto", help="plot quality reports (payload ratio against PPL rise, KL and top-1, "
+                                                      "with intervals) into one PNG")
     pareto.add_argument("reports", type=Path, nargs="+", help="quality report JSON files, one panel each")
     pareto.add_argument("--png", type=Path, required=True)
     pareto.set_defaults(func=_bench_pareto)
