@@ -56,3 +56,15 @@ def write_tiny_bundle(path: Path, consumers: tuple[str, ...] = ("consumer-a",), 
         decoder = PairDecoder(name, space.fingerprint, weight.contiguous(), torch.zeros(g, c), fingerprint)
         save_pair(path, decoder)
     return space
+
+
+def tiny_ecsq_space(bits_per_component: float = 2.0, packing: str = "ans-1", sinks: int = 2) -> CodeSpace:
+    """:func:`tiny_space`'s basis with entropy-coded scalar quantisers fitted on more correlated KV."""
+    from scd_store.codecs.scd.ecsq import fit
+
+    space = tiny_space(0.4, "tiny-ecsq", sinks, "producer-fp")
+    feats = torch.cat([to_features(correlated_state(64, seed=s), LAYOUT) for s in range(8)])
+    z = space.project(feats).reshape(feats.shape[0], -1)
+    weights = torch.ones(LAYOUT.groups, LAYOUT.width)
+    weights[0::2] = 4.0
+    return space.with_ecsq(fit(z, space.sigma.flatten(), weights.flatten(), bits_per_component), packing)

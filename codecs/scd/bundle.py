@@ -19,6 +19,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from scd_store.codecs.scd.decoder import PairDecoder
+from scd_store.codecs.scd.ecsq import EcsqQuantiser
 from scd_store.codecs.scd.hidden import HiddenCode
 from scd_store.codecs.scd.layout import KVLayout
 from scd_store.codecs.scd.patch import PatchAligner
@@ -95,8 +96,9 @@ def save_space(bundle: Path, space: CodeSpace, extra: dict | None = None) -> Non
     _write_json(bundle / "space.json", {
         "format": FORMAT, "format_version": FORMAT_VERSION, "kind": "space",
         "space_id": space.space_id, "layout": space.layout.to_dict(), "sink_tokens": space.sink_tokens,
-        "patch_layers": list(space.patch_layers),
-        "producer_fingerprint": space.producer_fingerprint, "content_fingerprint": space.fingerprint,
+        "patch_layers": list(space.patch_layers), "quantiser": "ecsq" if space.ecsq is not None else "fixed",
+        "packing": space.packing, "producer_fingerprint": space.producer_fingerprint,
+        "content_fingerprint": space.fingerprint,
         "bits_per_token": space.bits_per_token, "payload_ratio": round(space.payload_ratio(), 5),
         **(extra or {}),
     })
@@ -115,14 +117,20 @@ def load_space(bundle: Path, producer_fingerprint: str | None = None) -> CodeSpa
     layout = manifest.get("layout")
     if not isinstance(layout, dict):
         raise BundleError(f"{where}: layout must be an object")
+    packing = manifest.get("packing", "planes-2")  # what encode writes; manifests before ECSQ had no choice
+    if not isinstance(packing, str):
+        raise BundleError(f"{where}: packing must be a string, got {packing!r:.40}")
     try:
         tensors = load_file(str(bundle / "space.safetensors"))
         hidden = None
         if patch_layers:
             hidden = HiddenCode(tuple(patch_layers), tensors["hidden_mean"], tensors["hidden_basis"],
                                 tensors["hidden_sigma"], tensors["hidden_bits"])
+        ecsq = None
+        if any(name.startswith("ecsq_") for name in tensors):
+            ecsq = EcsqQuantiser(tensors["ecsq_steps"], tensors["ecsq_widths"], tensors["ecsq_probabilities"])
         space = CodeSpace(space_id, KVLayout.from_dict(layout), tensors["mean"], tensors["basis"], tensors["sigma"],
-                          tensors["bits"], sink_tokens, producer, hidden)
+                          tensors["bits"], sink_tokens, producer, hidden, ecsq, packing)
     except (KeyError, OSError, TypeError, ValueError, OverflowError, SafetensorError) as exc:
         raise BundleError(f"{bundle}: cannot load the code space: {exc}") from None
     if space.fingerprint != content:

@@ -14,6 +14,7 @@ from scd_store.codecs.kv_state import KVState
 from scd_store.codecs.paged import PagedCaches
 from scd_store.codecs.scd import fused, paged_fused
 from scd_store.codecs.scd.decoder import PairDecoder, apply_map, centred_codes, code_centres
+from scd_store.codecs.scd.ecsq import PACKING as ENTROPY_PACKING
 from scd_store.codecs.scd.graphs import DecodeGraphs
 from scd_store.codecs.scd.layout import write_token_major
 from scd_store.codecs.scd.patch import aligned_kv
@@ -157,7 +158,9 @@ class ScdCodec(Codec):
         if self.graphs is not None and torch.device(device).type == "cuda":
             _, meta, tensors = unpack(payload, CODEC_ID)
             self.space.counts(meta, expect_tokens)
-            state = self.graphs.decode(meta, tensors, torch.device(device), dtype)
+            # range-coded codes are decoded on the host first: nothing to capture
+            state = None if meta["packing"] == ENTROPY_PACKING else self.graphs.decode(meta, tensors,
+                                                                                         torch.device(device), dtype)
             if state is not None:
                 return state
             return self.decode_codes(self.space.codes_from(meta, tensors, device), device, dtype)

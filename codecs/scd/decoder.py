@@ -98,10 +98,15 @@ class PairDecoder:
             weight = self.weight.double()
             matrix = matrix + apply_map(matrix.transpose(0, 1), weight).transpose(0, 1)
             offset = offset + apply_map(offset, weight) + self.bias.double()
-        # z_hat_j = (q_j - levels_j / 2 + 0.5) * step_j, and 0 where a component has no bits
-        step = torch.tensor(STEP, dtype=torch.float64)[space.bits] * space.sigma.double()
-        # z_hat_j = (s_j + 0.5) * step_j with s_j = q_j - 2^(b_j - 1) (centred) or q_j - centre_j
-        centre = -0.5 * (space.bits > 0).double() if centred else code_centres(space).double() - 0.5 * (space.bits > 0)
+        # fixed rate (mid-rise): z_hat_j = (q_j - levels_j / 2 + 0.5) * step_j, and 0 where a component has no bits;
+        # ECSQ (mid-tread): z_hat_j = (q_j - levels_j / 2) * step_j
+        if space.ecsq is not None:
+            step, half = space.ecsq.steps.double().view_as(space.sigma), 0.0
+        else:
+            step, half = torch.tensor(STEP, dtype=torch.float64)[space.bits] * space.sigma.double(), 0.5
+        # z_hat_j = (s_j + half) * step_j with s_j = q_j - 2^(b_j - 1) (centred) or q_j - centre_j
+        sent = (space.bits > 0).double()
+        centre = -half * sent if centred else code_centres(space).double() - half * sent
         matrix = matrix * step.unsqueeze(-1)
         offset = offset - torch.bmm(centre.unsqueeze(1), matrix).squeeze(1)
         return matrix.to(device=device, dtype=dtype), offset.to(device=device, dtype=dtype)

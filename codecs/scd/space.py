@@ -9,6 +9,8 @@ import torch
 from scd_store.codecs.base import check_tokens
 from scd_store.codecs.fingerprint import tensors_fingerprint
 from scd_store.codecs.kv_state import KVState
+from scd_store.codecs.scd.ecsq import PACKING as ENTROPY_PACKING
+from scd_store.codecs.scd.ecsq import EcsqQuantiser
 from scd_store.codecs.scd.hidden import HiddenCode
 from scd_store.codecs.scd.layout import KVLayout, to_features
 from scd_store.codecs.scd.quantizer import (
@@ -55,6 +57,15 @@ def _section(tensors: dict[str, torch.Tensor], name: str, coded: int, plan: Pack
     return unpack_sorted(packed, coded, plan)
 
 
+def _entropy_section(quantiser: EcsqQuantiser, tensors: dict[str, torch.Tensor], coded: int, plan: PackingPlan,
+                     device) -> torch.Tensor:
+    """An entropy-coded section decoded on the host into :func:`_section`'s layout (storage-order rows)."""
+    out = torch.zeros(plan.region_rows(coded)[1] + 1, coded, dtype=torch.uint8)
+    if coded:
+        out[plan.rows(coded)[quantiser.sent]] = quantiser.decode_codes(tensors["words"], coded)
+    return out.to(device)
+
+
 def head_group_basis(cov: torch.Tensor, layout: KVLayout, head_groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Eigenvalues ``[G, C]`` (decreasing, clamped at 0) and orthonormal eigenvectors ``[G, C, C]`` (columns)
     of covariances ``[G, C, C]``; with ``head_groups`` > 1, of each head group's diagonal block alone, so each
@@ -85,6 +96,11 @@ class CodeSpace:
     Tokens at absolute positions below ``sink_tokens`` are sent raw (fp16): attention sinks are
     never put through the basis. A PATCH space also codes ``H_in`` at its patch layers (``hidden``);
     the K / V groups of those layers then carry no bits: consumers regenerate them.
+
+    With ``ecsq`` (:mod:`~scd_store.codecs.scd.ecsq`) components are quantised by entropy-coded scalar
+    quantisers instead of fixed-rate ones (``bits`` are then their container widths); ``packing`` is
+    the format :meth:`encode` writes: ``"ans-1"`` (range-coded, the fewest bytes) or ``"planes-2"``
+    (fixed-rate bit planes, the fastest to unpack). Both decode to the same KV.
     """
 
     space_id: str
@@ -96,6 +112,8 @@ class CodeSpace:
     sink_tokens: int = 4
     producer_fingerprint: str = ""
     hidden: HiddenCode | None = None
+    ecsq: EcsqQuantiser | None = None
+    packing: str = PACKING
     max_positions: int = field(default=32768, repr=False, compare=False)  # bound on a payload's start + tokens
     _fingerprint: str = field(default="", repr=False)
     _plans: tuple[PackingPlan, PackingPlan | None] | None = field(default=None, init=False, repr=False)
@@ -110,6 +128,13 @@ class CodeSpace:
         if self.sink_tokens < 0:
             raise ValueError("sink_tokens must be >= 0")
         self.bits = self.bits.to(torch.int64)
+        if self.ecsq is not None:
+            if self.hidden is not None:
+                raise ValueError("entropy-coded quantisers are for REUSE spaces (PATCH codes H_in at fixed rate)")
+            if self.ecsq.widths.numel() != g * c or not torch.equal(self.ecsq.widths.view(g, c), self.bits):
+                raise ValueError("an ECSQ space's bits must be its quantisers' container widths")
+        if self.packing not in self.packings:
+            raise ValueError(f"packing {self.packing!r} is not one of this space's {self.packings}")
         if self.hidden is not None:
             if max(self.hidden.layers) >= self.layout.num_layers:
                 raise ValueError(f"patch layers {self.hidden.layers} outside the model's {self.layout.num_layers}")
@@ -160,6 +185,17 @@ class CodeSpace:
                    producer_fingerprint, hidden)
 
     @property
+    def packings(self) -> tuple[str, ...]:
+        """The payload formats this space reads and writes."""
+        return (PACKING, ENTROPY_PACKING) if self.ecsq is not None else (PACKING,)
+
+    def with_ecsq(self, quantiser: EcsqQuantiser, packing: str = ENTROPY_PACKING) -> CodeSpace:
+        """This space's basis with entropy-coded scalar quantisers (a new space: another fingerprint)."""
+        return CodeSpace(self.space_id, self.layout, self.mean, self.basis, self.sigma,
+                         quantiser.widths.view_as(self.bits).clone(), self.sink_tokens, self.producer_fingerprint,
+                         None, quantiser, packing, self.max_positions)
+
+    @property
     def fingerprint(self) -> str:
         """Content fingerprint: blobs and decoders are bound to it."""
         return self._fingerprint
@@ -173,6 +209,8 @@ class CodeSpace:
         tensors = {"mean": self.mean, "basis": self.basis, "sigma": self.sigma, "bits": self.bits}
         if self.hidden is not None:
             tensors.update(self.hidden.tensors())
+        if self.ecsq is not None:
+            tensors.update(self.ecsq.tensors())
         return tensors
 
     @property
@@ -183,6 +221,10 @@ class CodeSpace:
 
     @property
     def bits_per_token(self) -> int:
+        """Coded bits of one (non-sink) token: the planes' widths, or for range-coded payloads the tables'
+        entropy (what a token like the calibration's costs)."""
+        if self.ecsq is not None and self.packing == ENTROPY_PACKING:
+            return round(self.ecsq.mean_rate() * self.bits.numel())
         return int(self.bits.sum()) + (int(self.hidden.bits.sum()) if self.hidden is not None else 0)
 
     def payload_ratio(self) -> float:
@@ -212,13 +254,18 @@ class CodeSpace:
         if coded:
             rest = KVState(state.keys[:, :, sinks:], state.values[:, :, sinks:], start=state.start + sinks)
             z = self.project(to_features(rest, self.layout)).reshape(coded, -1)
-            flat_bits = self.bits.flatten().to(z.device)
-            codes = quantize(z, self.sigma.flatten().to(z), flat_bits)
-            tensors["codes"] = pack_codes(codes, self._plans[0])
+            if self.ecsq is not None:
+                codes = self.ecsq.quantize(z)
+            else:
+                codes = quantize(z, self.sigma.flatten().to(z), self.bits.flatten().to(z.device))
+            if self.packing == ENTROPY_PACKING:
+                tensors["words"] = self.ecsq.encode_codes(codes)
+            else:
+                tensors["codes"] = pack_codes(codes, self._plans[0])
             if self.hidden is not None:
                 hidden_codes = self.hidden.quantize(state.hidden, sinks)
                 tensors["hidden_codes"] = pack_codes(hidden_codes, self._plans[1])
-        meta = {"space": self.fingerprint, "packing": PACKING, "start": state.start, "tokens": state.num_tokens,
+        meta = {"space": self.fingerprint, "packing": self.packing, "start": state.start, "tokens": state.num_tokens,
                 "sinks": sinks}
         return pack(CODEC_ID, meta, tensors)
 
@@ -235,9 +282,9 @@ class CodeSpace:
         try:
             if meta["space"] != self.fingerprint:
                 raise PayloadError(f"payload belongs to code space {meta['space']!r:.80}, not {self.fingerprint}")
-            if meta.get("packing") != PACKING:
-                raise PayloadError(f"payload codes are packed as {meta.get('packing')!r:.80}; this build reads "
-                                   f"{PACKING!r}")
+            if meta.get("packing") not in self.packings:
+                raise PayloadError(f"payload codes are packed as {meta.get('packing')!r:.80}; this space reads "
+                                   f"{self.packings}")
             start, tokens, sinks = (json_int(meta[key], f"scd payload {key}") for key in ("start", "tokens", "sinks"))
         except (KeyError, TypeError) as exc:
             raise PayloadError(f"scd payload is inconsistent: {exc!r:.120}") from None
@@ -257,7 +304,10 @@ class CodeSpace:
         coded = tokens - sinks
         try:
             plan, hidden_plan = self._plans
-            codes = _section(t, "codes", coded, plan, device)
+            if meta["packing"] == ENTROPY_PACKING:
+                codes = _entropy_section(self.ecsq, t, coded, plan, device)
+            else:
+                codes = _section(t, "codes", coded, plan, device)
             hidden_codes = None
             if self.hidden is not None:
                 hidden_codes = _section(t, "hidden_codes", coded, hidden_plan, device)
@@ -276,6 +326,8 @@ class CodeSpace:
 
     def reconstruct(self, codes: torch.Tensor) -> torch.Tensor:
         """Basis coordinates ``[T, groups, C]`` (quantiser mid-points) of integer ``codes``."""
-        flat_bits = self.bits.flatten().to(codes.device)
-        zhat = dequantize(codes, self.sigma.flatten().to(codes.device), flat_bits)
+        if self.ecsq is not None:
+            zhat = self.ecsq.dequantize(codes)
+        else:
+            zhat = dequantize(codes, self.sigma.flatten().to(codes.device), self.bits.flatten().to(codes.device))
         return zhat.view(codes.shape[0], self.layout.groups, self.layout.width)

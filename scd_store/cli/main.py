@@ -78,7 +78,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         base = replace(base, prefix_tokens=args.prefix_tokens)
     if args.continuation_tokens:
         base = replace(base, continuation_tokens=args.continuation_tokens)
-    base = replace(base, decoder=args.decoder, head_groups=args.head_groups)
+    base = replace(base, decoder=args.decoder, head_groups=args.head_groups, quantiser=args.quantiser)
     print(json.dumps(calibrate(args.producer, args.consumer, args.out, budget=args.budget or [base.budget],
                                steps=args.steps, windows=args.windows, reuse_space=args.reuse_space,
                                patch_layers=args.patch_layers or [0], patch_source=args.patch_source,
@@ -181,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "stays within 2%% of the consumer's bf16 weights)")
     cal.add_argument("--head-groups", type=int, default=1, metavar="N",
                      help="fit the space for N tensor-parallel ranks: a basis per group of KV heads, per-head maps")
+    cal.add_argument("--quantiser", choices=("fixed", "ecsq"), default="fixed",
+                     help="fixed: fixed-rate quantisers in bit planes; ecsq: entropy-coded scalar quantisers with "
+                          "fractional rates and range-coded payloads (--budget is then the coded entropy)")
     cal.add_argument("--out", type=Path, required=True, help="bundle directory")
     cal.add_argument("--budget", type=float, action="append",
                      help="coded bits per dimension against fp16 (default 0.24: payload <= 25%% of fp16 KV); "

@@ -17,6 +17,7 @@ from scd_store.codecs.scd.patch import SOURCES
 DEFAULT_BUDGET = 0.24
 # distillation steps per consumer: the measured default bundle's (docs/calibration.md)
 DEFAULT_STEPS = 900
+QUANTISERS = ("fixed", "ecsq")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +71,9 @@ class CalibrationConfig:
     # tensor-parallel ranks the space is fitted for: a basis per group of kv_heads / head_groups heads, and a
     # per-head map (so each rank encodes and decodes its own heads alone); 1 = one basis over every head
     head_groups: int = 1
+    # "fixed": fixed-rate quantisers (integer widths, bit planes); "ecsq": entropy-coded scalar quantisers
+    # (fractional rates, range-coded payloads; budget is then the tables' entropy against fp16)
+    quantiser: str = "fixed"
     seed: int = 0
     recipe: Recipe = field(default_factory=Recipe)
 
@@ -90,6 +94,10 @@ class CalibrationConfig:
             raise ValueError(f"head_groups must be >= 1, got {self.head_groups}")
         if self.head_groups > 1 and self.decoder == "dense":
             raise ValueError("a dense decoder map mixes every KV head: head_groups > 1 needs decoder per-head or auto")
+        if self.quantiser not in QUANTISERS:
+            raise ValueError(f"quantiser must be one of {QUANTISERS}, got {self.quantiser!r}")
+        if self.quantiser == "ecsq" and (self.patch_layers and self.patch_source == "hidden"):
+            raise ValueError("entropy-coded quantisers are for REUSE spaces: PATCH from H_in codes it at fixed rate")
         if self.patch_source not in SOURCES:
             raise ValueError(f"patch_source must be one of {SOURCES}, got {self.patch_source!r}")
 

@@ -18,6 +18,7 @@ from scd_store.adapters.transformers.calibration.text import calibration_windows
 from scd_store.adapters.transformers.capture import prefill_capture
 from scd_store.adapters.transformers.layout import layout_of
 from scd_store.adapters.transformers.loading import LoadedModel
+from scd_store.codecs.scd.ecsq import EcsqQuantiser, fit
 from scd_store.codecs.scd.layout import KVLayout, to_features
 from scd_store.codecs.scd.space import CodeSpace
 from scd_store.models.windows import Corpus
@@ -33,6 +34,7 @@ class SpaceStatistics:
     cov: torch.Tensor  # [G, C, C]
     hidden: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (mean [D], cov [D, D])
     producer_fingerprint: str
+    samples: torch.Tensor | None = None  # [N, G, C] fp16 features (kept for entropy-coded quantisers)
 
     def space(self, space_id: str, config: CalibrationConfig, patch_layers: tuple[int, ...] = ()) -> CodeSpace:
         """The code space for ``config.budget`` (PATCH ``H_in`` codes at ``patch_layers``, which must be
@@ -44,16 +46,31 @@ class SpaceStatistics:
                 raise ValueError(f"no H_in statistics for patch layers {missing}")
             hidden_stats = (tuple(patch_layers), torch.stack([self.hidden[i][0] for i in patch_layers]),
                             torch.stack([self.hidden[i][1] for i in patch_layers]))
-        return CodeSpace.from_statistics(space_id, self.layout, self.mean, self.cov, config.budget,
-                                         config.recipe.key_weight, config.recipe.sink_tokens,
-                                         self.producer_fingerprint, hidden_stats, head_groups=config.head_groups)
+        space = CodeSpace.from_statistics(space_id, self.layout, self.mean, self.cov, config.budget,
+                                          config.recipe.key_weight, config.recipe.sink_tokens,
+                                          self.producer_fingerprint, hidden_stats, head_groups=config.head_groups)
+        if config.quantiser == "ecsq":
+            space = space.with_ecsq(self.entropy_coded(space, config))
+        return space
+
+    def entropy_coded(self, space: CodeSpace, config: CalibrationConfig) -> EcsqQuantiser:
+        """Entropy-coded scalar quantisers over ``space``'s basis at ``config.budget`` (the tables' entropy,
+        against 16 bits), fitted on the kept calibration features."""
+        if self.samples is None:
+            raise ValueError("entropy-coded quantisers need the calibration features: space_statistics(keep_samples)")
+        z = torch.cat([space.project(chunk.float()).flatten(1) for chunk in self.samples.split(2048)])
+        weights = torch.ones(self.layout.groups, self.layout.width)
+        weights[0::2] = config.recipe.key_weight
+        return fit(z, space.sigma.flatten(), weights.flatten(), config.budget * 16)
 
 
 @torch.no_grad()
 def space_statistics(producer: LoadedModel, corpora: list[Corpus], config: CalibrationConfig,
-                     hidden_layers: tuple[int, ...] = (), progress: bool = True) -> SpaceStatistics:
+                     hidden_layers: tuple[int, ...] = (), progress: bool = True,
+                     keep_samples: bool = False) -> SpaceStatistics:
     """Moments of the producer's pre-RoPE K / V features (sink tokens excluded) and of ``H_in`` at
-    ``hidden_layers`` over calibration windows of ``corpora``."""
+    ``hidden_layers`` over calibration windows of ``corpora``; ``keep_samples`` also keeps the features
+    (fp16) that entropy-coded quantisers are fitted on."""
     layout = layout_of(producer.model)
     sinks = config.recipe.sink_tokens
     g, c = layout.groups, layout.width
@@ -63,11 +80,14 @@ def space_statistics(producer: LoadedModel, corpora: list[Corpus], config: Calib
     h_total = torch.zeros(len(hidden_layers), width, dtype=torch.float64)
     h_outer = torch.zeros(len(hidden_layers), width, width, dtype=torch.float64)
     count = 0
+    kept = []
     windows = [w for corpus in corpora for w in calibration_windows(
         producer.tokenizer, corpus, config.basis_windows, config.prefix_tokens, config.seed, config.recipe.splits)]
     for window in tqdm(windows, desc="code space: producer KV", unit="window", disable=not progress):
         state, _ = prefill_capture(producer.model, window, hidden_layers=hidden_layers, last_logits_only=True)
         x = to_features(state, layout)[sinks:].double().cpu().transpose(0, 1)  # [G, T, C]
+        if keep_samples:
+            kept.append(x.transpose(0, 1).half())
         total += x.sum(1)
         outer += x.transpose(1, 2) @ x
         count += x.shape[1]
@@ -80,7 +100,7 @@ def space_statistics(producer: LoadedModel, corpora: list[Corpus], config: Calib
     h_mean = h_total / count
     h_cov = h_outer / count - h_mean.unsqueeze(2) * h_mean.unsqueeze(1)
     hidden = {layer: (h_mean[i], h_cov[i]) for i, layer in enumerate(hidden_layers)}
-    return SpaceStatistics(layout, mean, cov, hidden, producer.fingerprint)
+    return SpaceStatistics(layout, mean, cov, hidden, producer.fingerprint, torch.cat(kept) if kept else None)
 
 
 def fit_space(producer: LoadedModel, corpora: list[Corpus], config: CalibrationConfig, space_id: str,
@@ -88,5 +108,5 @@ def fit_space(producer: LoadedModel, corpora: list[Corpus], config: CalibrationC
     """PCA basis and bit allocation from the producer's KV on calibration windows of ``corpora``; with
     ``patch_layers`` (and ``patch_source="hidden"``) also the basis of ``H_in`` at those layers."""
     coded_hidden = tuple(patch_layers) if config.patch_source == "hidden" else ()
-    stats = space_statistics(producer, corpora, config, coded_hidden, progress)
+    stats = space_statistics(producer, corpora, config, coded_hidden, progress, config.quantiser == "ecsq")
     return stats.space(space_id, config, coded_hidden)

@@ -115,14 +115,26 @@ def test_capture_and_own_kv_injection_equal_the_direct_forward(family, ids):
 
 
 def test_calibrate_store_and_decode_through_the_service(family, tmp_path):
+    calibrate_store_and_decode(family, tmp_path, "fixed")
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_an_entropy_coded_space_calibrates_stores_and_decodes_through_the_service(family, tmp_path):
+    space = calibrate_store_and_decode(family, tmp_path, "ecsq")
+    assert space.ecsq is not None and space.packing == "ans-1"
+    assert space.payload_ratio() <= 0.25 + 0.01  # the tables' entropy meets the budget
+
+
+def calibrate_store_and_decode(family: str, tmp_path, quantiser: str):
+    """Fit a space (``quantiser``) and a decoder on a family's random model; store and decode through the service."""
     producer_model = build(family)
     tokenizer = ByteTokenizer()
     producer = LoadedModel("producer", producer_model, tokenizer, "p-fp")
     consumer = LoadedModel("consumer", fine_tune_of(producer_model), tokenizer, "c-fp")
     (tmp_path / "text.txt").write_text(" ".join(f"word{i % 97} w{i % 13}" for i in range(3000)))
     text = UserText((str(tmp_path / "text.txt"),))
-    config = CalibrationConfig(budget=0.5, basis_windows=12, prefix_tokens=32, continuation_tokens=4,
-                               distill_windows=3, distill_steps=3)
+    config = CalibrationConfig(budget=0.5 if quantiser == "fixed" else 0.25, basis_windows=12, prefix_tokens=32,
+                               continuation_tokens=4, distill_windows=3, distill_steps=3, quantiser=quantiser)
     space = fit_space(producer, [text], config, f"{family}-space", progress=False)
     decoder, stats = distil_decoder(producer, consumer, space, text, config, progress=False)
     assert stats["steps"] == 3 and stats["kl_last"] >= 0
@@ -149,6 +161,7 @@ def test_calibrate_store_and_decode_through_the_service(family, tmp_path):
     logits = continue_with_prefix(consumer.model, decoded, ids[32:40])
     assert torch.isfinite(logits).all()
     service.close()
+    return space
 
 
 @pytest.mark.parametrize(("config", "match"), [
