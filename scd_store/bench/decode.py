@@ -32,6 +32,8 @@ from scd_store.bench.geometries import DEFAULT_GEOMETRY, GEOMETRIES, geometry
 from scd_store.codecs.kv_state import KVState
 from scd_store.codecs.scd.codec import ScdCodec
 from scd_store.codecs.scd.decoder import PairDecoder
+from scd_store.codecs.scd.ecsq import PACKING as ENTROPY_PACKING
+from scd_store.codecs.scd.ecsq import fit
 from scd_store.codecs.scd.layout import KVLayout, to_features
 from scd_store.codecs.scd.space import CodeSpace
 
@@ -45,12 +47,15 @@ class DecodeBenchConfig:
     device: str = "cpu"
     dtype: str = "float32"
     geometry: str = DEFAULT_GEOMETRY  # the random-init model's (scd_store.bench.geometries); unused with a consumer
+    quantiser: str = "fixed"  # the random-init space's: "fixed" or "ecsq" (range-coded payloads); a bundle says its own
 
     def __post_init__(self) -> None:
         if not self.prefix_tokens or min(self.prefix_tokens) <= 8 or min(self.repeats, self.decodes_per_round) <= 0:
             raise ValueError("prefix lengths must be > 8; repeats and decodes_per_round positive")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, not {self.dtype}")
+        if self.quantiser not in ("fixed", "ecsq"):
+            raise ValueError(f"quantiser must be fixed or ecsq, not {self.quantiser!r}")
         if self.geometry not in GEOMETRIES:
             raise ValueError(f"geometry must be one of {sorted(GEOMETRIES)}, not {self.geometry!r}")
 
@@ -107,20 +112,28 @@ def random_model(device: str, dtype: torch.dtype, seed: int = 0, name: str = DEF
     return model.to(device=device, dtype=dtype).eval()
 
 
-def space_fitted_to(state: KVState, layout: KVLayout, budget: float, space_id: str = "bench") -> CodeSpace:
+def space_fitted_to(state: KVState, layout: KVLayout, budget: float, space_id: str = "bench",
+                    quantiser: str = "fixed") -> CodeSpace:
     """A code space fitted to ``state``'s own features past the sinks (a stand-in for a calibrated one:
-    encode and decode speed depend on the geometry and the budget, not on the weights)."""
-    x = to_features(state.to(dtype=torch.float32), layout)[4:].double().transpose(0, 1)  # on the state's device
+    encode and decode speed depend on the geometry and the budget, not on the weights); ``"ecsq"``: with
+    entropy-coded quantisers fitted to the same features."""
+    features = to_features(state.to(dtype=torch.float32), layout)[4:]
+    x = features.double().transpose(0, 1)  # on the state's device
     mean = x.mean(1)
     centred = x - mean[:, None]
     cov = torch.einsum("gtc,gtd->gcd", centred, centred) / x.shape[1]
-    return CodeSpace.from_statistics(space_id, layout, mean.cpu(), cov.cpu(), budget)
+    space = CodeSpace.from_statistics(space_id, layout, mean.cpu(), cov.cpu(), budget)
+    if quantiser == "ecsq":
+        z = space.project(features.cpu()).flatten(1)
+        space = space.with_ecsq(fit(z, space.sigma.flatten(), torch.ones(z.shape[1]), budget * 16))
+    return space
 
 
-def self_fitted_space(model: LlamaForCausalLM, ids: torch.Tensor, budget: float) -> CodeSpace:
+def self_fitted_space(model: LlamaForCausalLM, ids: torch.Tensor, budget: float, quantiser: str = "fixed"
+                      ) -> CodeSpace:
     """A code space fitted to ``model``'s own KV on ``ids``."""
     state, _ = prefill_capture(model, ids)
-    return space_fitted_to(state, layout_of(model), budget)
+    return space_fitted_to(state, layout_of(model), budget, quantiser=quantiser)
 
 
 def _cuda_variants(codec: ScdCodec, payload: bytes, source: torch.Tensor, config: DecodeBenchConfig,
@@ -157,7 +170,7 @@ def run_decode_bench(config: DecodeBenchConfig, codec: ScdCodec | None = None,
     for length in config.prefix_tokens:
         ids = torch.randint(0, model.config.vocab_size, (length,), generator=generator).to(config.device)
         if codec is None:
-            space = self_fitted_space(model, ids, config.budget)
+            space = self_fitted_space(model, ids, config.budget, config.quantiser)
             bench_codec = ScdCodec(space, PairDecoder.identity(space, "bench"))
         else:
             bench_codec = codec
@@ -171,6 +184,14 @@ def run_decode_bench(config: DecodeBenchConfig, codec: ScdCodec | None = None,
         shape = (state.num_layers, state.num_kv_heads, state.num_tokens, state.head_dim)
         into = tuple(torch.empty(shape, device=config.device, dtype=dtype) for _ in range(2))
         others = {"into": lambda p=source, c=bench_codec, o=into: c.decode_into(p, *o)}
+        space = bench_codec.space
+        if space.ecsq is not None:  # the same codes in the other payload format, interleaved
+            other = "planes-2" if space.packing == ENTROPY_PACKING else ENTROPY_PACKING
+            twin = ScdCodec(space.with_ecsq(space.ecsq, other), bench_codec.decoder)
+            twin_payload = twin.encode(state.to(dtype=torch.float32))
+            twin_source = torch.frombuffer(bytearray(twin_payload), dtype=torch.uint8).to(config.device) \
+                if on_cuda else twin_payload
+            others[other] = lambda p=twin_source, c=twin: c.decode(p, device=config.device, dtype=dtype)
         if not on_cuda and bench_codec.product_dtype(config.device) != torch.float32:
             # the same decode with fp32 products, interleaved: what the low-precision products buy
             fp32 = ScdCodec(bench_codec.space, bench_codec.decoder, matmul="float32")
@@ -181,6 +202,11 @@ def run_decode_bench(config: DecodeBenchConfig, codec: ScdCodec | None = None,
         prefill, decode = times["prefill"], times["decode"]
         extra = {"decode_into_best_ms": round(min(times["into"]) * 1e3, 3),
                  "decode_into_vs_prefill": round(min(times["into"]) / min(prefill), 4)}
+        for fmt in ("planes-2", ENTROPY_PACKING):
+            if fmt in times:
+                extra.update({f"decode_{fmt}_best_ms": round(min(times[fmt]) * 1e3, 3),
+                              f"decode_{fmt}_vs_prefill": round(min(times[fmt]) / min(prefill), 4),
+                              f"payload_{fmt}_ratio": round(len(twin_payload) / state.fp16_bytes(), 4)})
         if "fp32" in times:
             extra.update({"decode_fp32_products_best_ms": round(min(times["fp32"]) * 1e3, 3),
                           "decode_fp32_products_vs_prefill": round(min(times["fp32"]) / min(prefill), 4)})
@@ -191,6 +217,7 @@ def run_decode_bench(config: DecodeBenchConfig, codec: ScdCodec | None = None,
             "prefix_tokens": length,
             "payload_bytes": len(payload),
             "payload_ratio": round(len(payload) / state.fp16_bytes(), 4),
+            "packing": bench_codec.space.packing,
             "prefill_ms": round(statistics.median(prefill) * 1e3, 3),
             "decode_ms": round(statistics.median(decode) * 1e3, 3),
             "prefill_best_ms": round(min(prefill) * 1e3, 3),

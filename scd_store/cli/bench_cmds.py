@@ -18,7 +18,7 @@ def bench_decode(args: argparse.Namespace) -> int:
 
     config = DecodeBenchConfig(prefix_tokens=tuple(args.prefix_tokens), budget=args.budget, repeats=args.repeats,
                                decodes_per_round=args.decodes_per_round, device=args.device, dtype=args.dtype,
-                               geometry=args.geometry)
+                               geometry=args.geometry, quantiser=args.quantiser)
     codec = consumer = None
     if args.bundle:
         from scd_store.adapters.transformers import load_model
@@ -217,6 +217,9 @@ def add_bench_parsers(bench: Any) -> None:
     decode.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     decode.add_argument("--geometry", default="smollm2-135m", choices=["smollm2-135m", "llama3-8b"],
                         help="the random-init model's geometry (without --bundle; llama3-8b needs a GPU's memory)")
+    decode.add_argument("--quantiser", default="fixed", choices=["fixed", "ecsq"],
+                        help="the random-init space's quantiser (ecsq: range-coded payloads, timed beside the same "
+                             "codes in bit planes)")
     decode.add_argument("--json", type=Path)
     decode.add_argument("--bundle", type=Path, help="time a real calibrated pair (default: random-init model)")
     decode.add_argument("--consumer", default="smollm2-135m-shakespeare", help="the consumer of --bundle")

@@ -19,6 +19,14 @@ def test_decode_bench_reports_side_by_side_timings():
         assert ("decode_fp32_products_best_ms" in row) == (report["products"] == "bfloat16")
 
 
+def test_an_entropy_coded_space_is_timed_in_both_payload_formats():
+    report = run_decode_bench(DecodeBenchConfig(prefix_tokens=(40,), repeats=1, budget=0.12, quantiser="ecsq"),
+                              consumer=tiny_llama())
+    row = report["results"][0]
+    assert row["packing"] == "ans-1" and row["decode_planes-2_best_ms"] > 0
+    assert row["payload_ratio"] < row["payload_planes-2_ratio"]  # range coding spends fewer bytes on the same codes
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_bench_decodes_from_device_memory_with_graphs():
     report = run_decode_bench(DecodeBenchConfig(prefix_tokens=(24,), repeats=2, device="cuda"),
