@@ -17,10 +17,12 @@ from tqdm import tqdm
 
 from scd_store.adapters.transformers import LoadedModel, continue_with_prefix, load_model, prefill_capture
 from scd_store.adapters.transformers.droidspeak import DroidSpeakCodec, select_group
+from scd_store.adapters.transformers.layout import layout_of
 from scd_store.bench.metrics import ContinuationScore
 from scd_store.bench.pareto import plot_pareto
 from scd_store.bench.quality_intervals import method_intervals, paired_difference
 from scd_store.codecs import make_codec
+from scd_store.codecs.kvquant import KVQuantLiteCodec
 from scd_store.codecs.scd.bundle import load_pair, load_space
 from scd_store.codecs.scd.codec import ScdCodec
 from scd_store.codecs.scd.decoder import PairDecoder
@@ -30,7 +32,7 @@ from scd_store.models.user_text import UserText
 from scd_store.models.windows import Corpus, corpus_name, eval_windows
 
 BASELINE_METHODS = ("oracle", "none", "raw", "int8", "int4", "int2", "droidspeak")
-EXTRA_METHODS = ("rot1", "rot2", "rot3", "rot4")  # measured when named in --methods
+EXTRA_METHODS = ("rot1", "rot2", "rot3", "rot4", "kvq2")  # measured when named in --methods
 SCD_METHOD = "scd"
 NO_MAP = "/no-map"  # suffix of a bundle's space decoded without its consumer's map (KVTC-style: no adaptation)
 DROIDSPEAK = "droidspeak"
@@ -125,7 +127,9 @@ def run_quality(config: QualityConfig, progress: bool = True) -> QualityReport:
     if config.no_map:
         methods += [name + NO_MAP for name in config.scd_method_names()]
     scores = {name: ContinuationScore() for name in methods}
-    codecs = {name: make_codec(name) for name in base_methods if name not in ("oracle", "none", DROIDSPEAK)}
+    codecs = {name: make_codec(name) for name in base_methods if name not in ("oracle", "none", DROIDSPEAK, "kvq2")}
+    if "kvq2" in base_methods:  # pre-RoPE keys: it needs the producer's rotation
+        codecs["kvq2"] = KVQuantLiteCodec(layout_of(producer.model))
     for name, bundle in zip(config.scd_method_names(), config.bundles, strict=True):
         codecs[name] = load_scd_codec(Path(bundle), producer, consumer)
         if config.no_map:
