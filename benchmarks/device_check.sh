@@ -8,7 +8,8 @@
 #      SGLang's and LMCache's decode_device;
 #   3. `bench decode --device cuda` at 448 / 2k / 8k tokens on SmolLM2-135M's geometry (bf16, then fp32) and on
 #      Llama-3-8B's (bf16), random-init weights (speed does not depend on them; model files do not travel);
-#   4. a few distillation steps of `scd-store calibrate --device cuda` on random-init checkpoints of
+#   4. where constriction is installed, `bench decode --quantiser ecsq` (range-coded payloads, beside planes);
+#   5. a few distillation steps of `scd-store calibrate --device cuda` on random-init checkpoints of
 #      SmolLM2-135M's geometry (benchmarks/device_models.py: a byte tokenizer, a perturbed consumer).
 # Writes logs and JSON under $OUT, and $OUT/device_check.json (each step's rc and seconds, the key figures).
 # DEVICE_CHECK_DRY=1: the same steps on this machine's CPU at toy sizes, tests collected only, nothing
@@ -74,5 +75,13 @@ step calibrate_cuda 120 sh -c "\"$PY\" -m scd_store.cli.main calibrate --produce
   ${CAL[*]} > \"$OUT/calibrate_cuda.json\""
 step decode_smollm2_fp32 90 "$PY" -m scd_store.cli.main bench decode --device "$DEV" --geometry smollm2-135m \
   --dtype float32 --prefix-tokens "${SIZES[@]}" --repeats "$REPEATS" --json "$OUT/decode_smollm2_fp32.json"
+if "$PY" -c "import constriction" 2> /dev/null; then  # range-coded payloads: only where the coder is installed
+  step decode_smollm2_ecsq 60 "$PY" -m scd_store.cli.main bench decode --device "$DEV" --geometry smollm2-135m \
+    --dtype bfloat16 --quantiser ecsq --budget 0.115 --prefix-tokens "${SIZES[@]}" --repeats "$BIG_REPEATS" \
+    --json "$OUT/decode_smollm2_ecsq.json"
+else
+  echo '{"name": "decode_smollm2_ecsq", "rc": null, "seconds": 0, "optional": true, "skipped": "no constriction"}' \
+    >> "$OUT/steps.jsonl"
+fi
 rm -rf "$OUT/models/producer" "$OUT/models/consumer" "$OUT/models/bundle"  # large, and nothing to read back
 "$PY" "$ROOT/benchmarks/device_check_summary.py" "$OUT" && echo "wrote $OUT/device_check.json"

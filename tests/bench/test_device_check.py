@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = ["pytest_cuda", "pytest_engines", "decode_smollm2_bf16", "decode_llama3_8b_bf16", "calibrate_models",
-         "calibrate_cuda", "decode_smollm2_fp32"]
+         "calibrate_cuda", "decode_smollm2_fp32", "decode_smollm2_ecsq"]
 
 
 def test_the_dry_run_runs_every_step_and_writes_the_summary(tmp_path):
@@ -22,7 +22,9 @@ def test_the_dry_run_runs_every_step_and_writes_the_summary(tmp_path):
     summary = json.loads((tmp_path / "device_check.json").read_text())
     assert [s["name"] for s in summary["steps"]] == STEPS
     assert summary["ok"], summary["steps"]
-    assert set(summary["decode"]) == {"decode_smollm2_bf16", "decode_llama3_8b_bf16", "decode_smollm2_fp32"}
+    assert set(summary["decode"]) == {"decode_smollm2_bf16", "decode_llama3_8b_bf16", "decode_smollm2_fp32",
+                                      "decode_smollm2_ecsq"}
+    assert all(row["packing"] == "ans-1" for row in summary["decode"]["decode_smollm2_ecsq"]["results"])
     for report in summary["decode"].values():
         assert report["results"] and all(row["decode_best_ms"] > 0 for row in report["results"])
     (consumer,) = summary["calibrate"]["consumers"].values()
