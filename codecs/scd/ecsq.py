@@ -99,21 +99,24 @@ class EcsqQuantiser:
             self._models = [categorical(t.numpy(), perfect=False) for t in self.tables()]
         return self._models
 
-    def encode_codes(self, codes: torch.Tensor) -> torch.Tensor:
-        """ANS-coded words (uint32) of codes ``[T, n]`` (every component; only sent ones are coded)."""
+    def encode_codes(self, codes: torch.Tensor) -> tuple[torch.Tensor, str]:
+        """ANS-coded words (int32 view of uint32) of codes ``[T, n]`` (every component; only sent ones are
+        coded), and the digest of the sent codes that :meth:`decode_codes` checks."""
         import constriction
 
         sent = self.sent.nonzero().flatten().tolist()
-        columns = codes.cpu().numpy().astype(np.int32)
+        columns = np.ascontiguousarray(codes.cpu().numpy()[:, sent].T)  # [n_sent, T] uint8, component-major
         coder = constriction.stream.stack.AnsCoder()
         models = self._coder_models()
         for i in reversed(range(len(sent))):  # a stack: the last pushed is the first decoded
-            coder.encode_reverse(np.ascontiguousarray(columns[:, sent[i]]), models[i])
-        return torch.from_numpy(coder.get_compressed().astype(np.uint32).view(np.int32).copy())
+            coder.encode_reverse(columns[i].astype(np.int32), models[i])
+        words = torch.from_numpy(coder.get_compressed().astype(np.uint32).view(np.int32).copy())
+        return words, codes_digest(columns)
 
-    def decode_codes(self, words: torch.Tensor, tokens: int) -> torch.Tensor:
+    def decode_codes(self, words: torch.Tensor, tokens: int, digest: str) -> torch.Tensor:
         """Invert :meth:`encode_codes`: codes ``[n_sent, tokens]`` (uint8, sent components in order).
-        Raises :class:`EcsqError` unless the words decode to exactly that many codes."""
+        Raises :class:`EcsqError` unless the words decode to exactly that many codes with that digest
+        (damaged words decode to other codes, or stop short, or leave words over: all refused)."""
         import constriction
 
         if words.dtype != torch.int32 or words.dim() != 1:
@@ -126,11 +129,20 @@ class EcsqQuantiser:
                 out[i] = coder.decode(model, tokens)
             if not coder.is_empty():
                 raise EcsqError("entropy-coded words hold more than the payload's codes")
-        except (ValueError, RuntimeError, AssertionError) as exc:
+        except (ValueError, RuntimeError, AssertionError, OverflowError) as exc:
             if isinstance(exc, EcsqError):
                 raise
             raise EcsqError(f"entropy-coded words do not decode: {exc}") from None
+        if codes_digest(out) != digest:
+            raise EcsqError("entropy-coded words decode to other codes than were written")
         return torch.from_numpy(out)
+
+
+def codes_digest(codes: np.ndarray) -> str:
+    """xxh3-64 of component-major uint8 codes: a range-coded payload carries it for its decoded codes."""
+    import xxhash
+
+    return xxhash.xxh3_64_hexdigest(np.ascontiguousarray(codes, dtype=np.uint8).tobytes())
 
 
 def step_tables(z: torch.Tensor, sigma: torch.Tensor, chunk: int = 256

@@ -58,11 +58,13 @@ def _section(tensors: dict[str, torch.Tensor], name: str, coded: int, plan: Pack
 
 
 def _entropy_section(quantiser: EcsqQuantiser, tensors: dict[str, torch.Tensor], coded: int, plan: PackingPlan,
-                     device) -> torch.Tensor:
+                     device, digest: object) -> torch.Tensor:
     """An entropy-coded section decoded on the host into :func:`_section`'s layout (storage-order rows)."""
     out = torch.zeros(plan.region_rows(coded)[1] + 1, coded, dtype=torch.uint8)
     if coded:
-        out[plan.rows(coded)[quantiser.sent]] = quantiser.decode_codes(tensors["words"], coded)
+        if not isinstance(digest, str):
+            raise PayloadError("a range-coded payload must carry its codes' digest")
+        out[plan.rows(coded)[quantiser.sent]] = quantiser.decode_codes(tensors["words"], coded, digest)
     return out.to(device)
 
 
@@ -259,7 +261,7 @@ class CodeSpace:
             else:
                 codes = quantize(z, self.sigma.flatten().to(z), self.bits.flatten().to(z.device))
             if self.packing == ENTROPY_PACKING:
-                tensors["words"] = self.ecsq.encode_codes(codes)
+                tensors["words"], digest = self.ecsq.encode_codes(codes)
             else:
                 tensors["codes"] = pack_codes(codes, self._plans[0])
             if self.hidden is not None:
@@ -267,6 +269,8 @@ class CodeSpace:
                 tensors["hidden_codes"] = pack_codes(hidden_codes, self._plans[1])
         meta = {"space": self.fingerprint, "packing": self.packing, "start": state.start, "tokens": state.num_tokens,
                 "sinks": sinks}
+        if self.packing == ENTROPY_PACKING and coded:
+            meta["codes_digest"] = digest
         return pack(CODEC_ID, meta, tensors)
 
     def unpack(self, payload: bytes | torch.Tensor, device: torch.device | str = "cpu",
@@ -305,7 +309,7 @@ class CodeSpace:
         try:
             plan, hidden_plan = self._plans
             if meta["packing"] == ENTROPY_PACKING:
-                codes = _entropy_section(self.ecsq, t, coded, plan, device)
+                codes = _entropy_section(self.ecsq, t, coded, plan, device, meta.get("codes_digest"))
             else:
                 codes = _section(t, "codes", coded, plan, device)
             hidden_codes = None

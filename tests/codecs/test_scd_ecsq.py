@@ -71,14 +71,19 @@ def test_the_quantiser_error_is_what_the_space_reconstructs():
     assert float(inside.float().mean()) > 0.99  # clamped past the container only in the far tails
 
 
-@pytest.mark.parametrize("damage", ["truncated", "appended", "uint8"])
+@pytest.mark.parametrize("damage", ["truncated", "appended", "uint8", "empty", "flipped", "no digest"])
 def test_damaged_range_coded_words_are_refused(damage):
     space = tiny_ecsq_space(2.0)
     codec = ScdCodec(space, PairDecoder.identity(space, "c"))
     codec_id, meta, tensors = unpack(codec.encode(correlated_state(30, seed=1)), "scd")
     words = tensors["words"]
+    flipped = words.clone()
+    flipped[words.numel() // 2] ^= 0x10  # still a well-formed stream: it decodes, to other codes
     tensors["words"] = {"truncated": words[: words.numel() // 2], "appended": torch.cat([words, words[:3]]),
-                        "uint8": words.view(torch.uint8)}[damage]
+                        "uint8": words.view(torch.uint8), "empty": words[:0], "flipped": flipped,
+                        "no digest": words}[damage]
+    if damage == "no digest":
+        del meta["codes_digest"]
     with pytest.raises(PayloadError):
         codec.decode(pack(codec_id, meta, tensors))
 
