@@ -40,10 +40,16 @@ class EcsqQuantiser:
     widths: torch.Tensor  # [n] int64, 0 or MIN_WIDTH..MAX_WIDTH
     probabilities: torch.Tensor  # [sum(2^widths of sent components)] float32, each component's table in turn
     _models: list | None = field(default=None, init=False, repr=False)
+    _least: float | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.steps, self.widths = self.steps.float().flatten(), self.widths.to(torch.int64).flatten()
-        self.probabilities = self.probabilities.float().flatten()
+        for name, dtypes in (("steps", (torch.float32,)), ("widths", (torch.int64, torch.int32, torch.uint8)),
+                             ("probabilities", (torch.float32,))):
+            tensor = getattr(self, name)
+            if tensor.dtype not in dtypes or tensor.dim() != 1:
+                raise ValueError(f"ECSQ {name} must be a flat tensor of {dtypes}, got {tensor.dtype} "
+                                 f"{tuple(tensor.shape)}")
+        self.widths = self.widths.to(torch.int64)
         sent = self.widths > 0
         if self.steps.shape != self.widths.shape:
             raise ValueError("ECSQ steps and widths must have one entry per component")
@@ -91,6 +97,13 @@ class EcsqQuantiser:
         centre = torch.where(w > 0, 1 << (w - 1).clamp_min(0), 0).to(dtype)
         return (codes.to(dtype) - centre) * self.steps.to(device=codes.device, dtype=dtype)
 
+    def least_bits(self, tokens: int) -> float:
+        """The fewest bits any ``tokens`` codes of every sent component can take: ``tokens`` times the sum of
+        each table's ``-log2(max p)`` (a stream shorter than this cannot hold a payload: refused unread)."""
+        if self._least is None:
+            self._least = sum(float(-torch.log2(t.max())) for t in self.tables())
+        return tokens * self._least
+
     def _coder_models(self) -> list:
         if self._models is None:
             import constriction  # the Rust extension exposes its submodules as attributes only
@@ -121,6 +134,8 @@ class EcsqQuantiser:
 
         if words.dtype != torch.int32 or words.dim() != 1:
             raise EcsqError("entropy-coded words must be a flat int32 tensor")
+        if 32 * words.numel() + 64 < 0.99 * self.least_bits(tokens):  # before a chunk's worth of decoding
+            raise EcsqError(f"{words.numel()} entropy-coded words cannot hold {tokens} tokens of codes")
         models = self._coder_models()
         out = np.empty((len(models), tokens), dtype=np.uint8)
         try:
@@ -210,7 +225,7 @@ def fit(z: torch.Tensor, sigma: torch.Tensor, weights: torch.Tensor, budget_bits
     picked = allocate(rate, mse, weights.float(), budget_bits)
     rows = torch.arange(z.shape[1])
     grid = torch.tensor((0.0, *STEP_GRID))
-    steps = torch.where(picked > 0, grid[picked] * sigma.float(), torch.zeros(()))
+    steps = torch.where(picked > 0, grid[picked] * sigma.float(), torch.zeros(())).float()
     widths = torch.where(picked > 0, width[rows, picked], torch.zeros((), dtype=torch.int64))
     probe = EcsqQuantiser(steps, widths, torch.ones(int((1 << widths[widths > 0]).sum())))
     codes = probe.quantize(z.float())
@@ -218,5 +233,5 @@ def fit(z: torch.Tensor, sigma: torch.Tensor, weights: torch.Tensor, budget_bits
     for j in widths.nonzero().flatten().tolist():
         counts = torch.bincount(codes[:, j].to(torch.int64), minlength=1 << int(widths[j])).double()
         tables.append((counts / counts.sum() * (1 - FLOOR) + FLOOR / counts.numel()).float())
-    probabilities = torch.cat(tables) if tables else torch.zeros(0)
+    probabilities = torch.cat(tables).float() if tables else torch.zeros(0)
     return EcsqQuantiser(steps, widths, probabilities)

@@ -121,3 +121,17 @@ def test_quantiser_tables_are_checked():
         EcsqQuantiser(torch.tensor([0.0, 0.0]), torch.tensor([2, 0]), torch.ones(4))
     with pytest.raises(ValueError, match="widths must be"):
         EcsqQuantiser(torch.tensor([1.0]), torch.tensor([1]), torch.ones(2))
+    with pytest.raises(ValueError, match="flat tensor"):  # a hostile bundle's dtypes are refused, never coerced
+        EcsqQuantiser(torch.tensor([1.0]), torch.tensor([2.9]), torch.ones(4))
+    with pytest.raises(ValueError, match="flat tensor"):
+        EcsqQuantiser(torch.tensor([1.0], dtype=torch.float64), torch.tensor([2]), torch.ones(4))
+    with pytest.raises(ValueError, match="flat tensor"):
+        EcsqQuantiser(torch.tensor([[1.0]]), torch.tensor([2]), torch.ones(4))
+
+
+def test_a_stream_too_short_for_its_token_count_is_refused_before_decoding():
+    space = tiny_ecsq_space(2.0)
+    words = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="cannot hold"):
+        space.ecsq.decode_codes(words, 10_000, "0" * 16)
+    assert space.ecsq.least_bits(100) > 0
