@@ -23,6 +23,7 @@ from scd_store.codecs.scd.ecsq import EcsqQuantiser
 from scd_store.codecs.scd.hidden import HiddenCode
 from scd_store.codecs.scd.layout import KVLayout
 from scd_store.codecs.scd.patch import PatchAligner
+from scd_store.codecs.scd.range_coding import CodeTables
 from scd_store.codecs.scd.space import CodeSpace
 from scd_store.codecs.tensor_pack import json_int, strict_json
 from scd_store.errors import ScdStoreError
@@ -129,8 +130,9 @@ def load_space(bundle: Path, producer_fingerprint: str | None = None) -> CodeSpa
         ecsq = None
         if any(name.startswith("ecsq_") for name in tensors):
             ecsq = EcsqQuantiser(tensors["ecsq_steps"], tensors["ecsq_widths"], tensors["ecsq_probabilities"])
+        tables = CodeTables(tensors["bits"].flatten(), tensors["code_tables"]) if "code_tables" in tensors else None
         space = CodeSpace(space_id, KVLayout.from_dict(layout), tensors["mean"], tensors["basis"], tensors["sigma"],
-                          tensors["bits"], sink_tokens, producer, hidden, ecsq, packing)
+                          tensors["bits"], sink_tokens, producer, hidden, ecsq, packing, tables)
     except (KeyError, OSError, TypeError, ValueError, OverflowError, SafetensorError) as exc:
         raise BundleError(f"{bundle}: cannot load the code space: {exc}") from None
     if space.fingerprint != content:

@@ -14,10 +14,10 @@ from scd_store.codecs.kv_state import KVState
 from scd_store.codecs.paged import PagedCaches
 from scd_store.codecs.scd import fused, paged_fused
 from scd_store.codecs.scd.decoder import PairDecoder, apply_map, centred_codes, code_centres
-from scd_store.codecs.scd.ecsq import PACKING as ENTROPY_PACKING
 from scd_store.codecs.scd.graphs import DecodeGraphs
 from scd_store.codecs.scd.layout import write_token_major
 from scd_store.codecs.scd.patch import aligned_kv
+from scd_store.codecs.scd.range_coding import PACKING as ENTROPY_PACKING
 from scd_store.codecs.scd.rope import RopeTable
 from scd_store.codecs.scd.space import CODEC_ID, CodeSpace, SpaceCodes
 from scd_store.codecs.tensor_pack import PayloadError, unpack

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from scd_store.codecs.base import check_tokens
 from scd_store.codecs.fingerprint import tensors_fingerprint
 from scd_store.codecs.kv_state import KVState
-from scd_store.codecs.scd.ecsq import PACKING as ENTROPY_PACKING
 from scd_store.codecs.scd.ecsq import EcsqQuantiser
 from scd_store.codecs.scd.hidden import HiddenCode
 from scd_store.codecs.scd.layout import KVLayout, to_features
@@ -24,6 +23,8 @@ from scd_store.codecs.scd.quantizer import (
     quantize,
     unpack_sorted,
 )
+from scd_store.codecs.scd.range_coding import PACKING as ENTROPY_PACKING
+from scd_store.codecs.scd.range_coding import CodeTables, count_tables
 from scd_store.codecs.tensor_pack import PayloadError, json_int, pack, unpack
 
 CODEC_ID = "scd"
@@ -57,14 +58,14 @@ def _section(tensors: dict[str, torch.Tensor], name: str, coded: int, plan: Pack
     return unpack_sorted(packed, coded, plan)
 
 
-def _entropy_section(quantiser: EcsqQuantiser, tensors: dict[str, torch.Tensor], coded: int, plan: PackingPlan,
+def _entropy_section(coder: CodeTables, tensors: dict[str, torch.Tensor], coded: int, plan: PackingPlan,
                      device, digest: object) -> torch.Tensor:
     """An entropy-coded section decoded on the host into :func:`_section`'s layout (storage-order rows)."""
     out = torch.zeros(plan.region_rows(coded)[1] + 1, coded, dtype=torch.uint8)
     if coded:
         if not isinstance(digest, str):
             raise PayloadError("a range-coded payload must carry its codes' digest")
-        out[plan.rows(coded)[quantiser.sent]] = quantiser.decode_codes(tensors["words"], coded, digest)
+        out[plan.rows(coded)[coder.sent]] = coder.decode_codes(tensors["words"], coded, digest)
     return out.to(device)
 
 
@@ -116,6 +117,7 @@ class CodeSpace:
     hidden: HiddenCode | None = None
     ecsq: EcsqQuantiser | None = None
     packing: str = PACKING
+    tables: CodeTables | None = None
     max_positions: int = field(default=32768, repr=False, compare=False)  # bound on a payload's start + tokens
     _fingerprint: str = field(default="", repr=False)
     _plans: tuple[PackingPlan, PackingPlan | None] | None = field(default=None, init=False, repr=False)
@@ -135,6 +137,11 @@ class CodeSpace:
                 raise ValueError("entropy-coded quantisers are for REUSE spaces (PATCH codes H_in at fixed rate)")
             if self.ecsq.widths.numel() != g * c or not torch.equal(self.ecsq.widths.view(g, c), self.bits):
                 raise ValueError("an ECSQ space's bits must be its quantisers' container widths")
+        if self.tables is not None:
+            if self.ecsq is not None or self.hidden is not None:
+                raise ValueError("code tables are for fixed-rate REUSE spaces (an ECSQ space keeps its own)")
+            if not torch.equal(self.tables.widths, self.bits.flatten()):
+                raise ValueError("a space's code tables must be over its bit widths")
         if self.packing not in self.packings:
             raise ValueError(f"packing {self.packing!r} is not one of this space's {self.packings}")
         if self.hidden is not None:
@@ -187,15 +194,32 @@ class CodeSpace:
                    producer_fingerprint, hidden)
 
     @property
+    def coder(self) -> CodeTables | None:
+        """The tables range-coded payloads are coded against (an ECSQ space's, or a fixed-rate space's)."""
+        return self.ecsq.coder if self.ecsq is not None else self.tables
+
+    @property
     def packings(self) -> tuple[str, ...]:
         """The payload formats this space reads and writes."""
-        return (PACKING, ENTROPY_PACKING) if self.ecsq is not None else (PACKING,)
+        return (PACKING, ENTROPY_PACKING) if self.coder is not None else (PACKING,)
+
+    def with_packing(self, packing: str) -> CodeSpace:
+        """This space writing ``packing`` payloads (the same space: the same fingerprint, both formats read)."""
+        return replace(self, packing=packing)
+
+    def with_tables(self, z: torch.Tensor, packing: str = ENTROPY_PACKING) -> CodeSpace:
+        """This fixed-rate space with code tables counted on calibration coordinates ``z`` ``[T, n]`` (a
+        new space: another fingerprint; the same codes, range-coded)."""
+        codes = quantize(z, self.sigma.flatten().to(z), self.bits.flatten().to(z.device))
+        tables = CodeTables(self.bits.flatten().clone(), count_tables(codes, self.bits.flatten()))
+        return CodeSpace(self.space_id, self.layout, self.mean, self.basis, self.sigma, self.bits, self.sink_tokens,
+                         self.producer_fingerprint, None, None, packing, tables, self.max_positions)
 
     def with_ecsq(self, quantiser: EcsqQuantiser, packing: str = ENTROPY_PACKING) -> CodeSpace:
         """This space's basis with entropy-coded scalar quantisers (a new space: another fingerprint)."""
         return CodeSpace(self.space_id, self.layout, self.mean, self.basis, self.sigma,
                          quantiser.widths.view_as(self.bits).clone(), self.sink_tokens, self.producer_fingerprint,
-                         None, quantiser, packing, self.max_positions)
+                         None, quantiser, packing, None, self.max_positions)
 
     @property
     def fingerprint(self) -> str:
@@ -213,6 +237,8 @@ class CodeSpace:
             tensors.update(self.hidden.tensors())
         if self.ecsq is not None:
             tensors.update(self.ecsq.tensors())
+        if self.tables is not None:
+            tensors["code_tables"] = self.tables.probabilities
         return tensors
 
     @property
@@ -225,8 +251,8 @@ class CodeSpace:
     def bits_per_token(self) -> int:
         """Coded bits of one (non-sink) token: the planes' widths, or for range-coded payloads the tables'
         entropy (what a token like the calibration's costs)."""
-        if self.ecsq is not None and self.packing == ENTROPY_PACKING:
-            return round(self.ecsq.mean_rate() * self.bits.numel())
+        if self.packing == ENTROPY_PACKING:
+            return round(self.coder.mean_rate() * self.bits.numel())
         return int(self.bits.sum()) + (int(self.hidden.bits.sum()) if self.hidden is not None else 0)
 
     def payload_ratio(self) -> float:
@@ -261,7 +287,7 @@ class CodeSpace:
             else:
                 codes = quantize(z, self.sigma.flatten().to(z), self.bits.flatten().to(z.device))
             if self.packing == ENTROPY_PACKING:
-                tensors["words"], digest = self.ecsq.encode_codes(codes)
+                tensors["words"], digest = self.coder.encode_codes(codes)
             else:
                 tensors["codes"] = pack_codes(codes, self._plans[0])
             if self.hidden is not None:
@@ -309,7 +335,7 @@ class CodeSpace:
         try:
             plan, hidden_plan = self._plans
             if meta["packing"] == ENTROPY_PACKING:
-                codes = _entropy_section(self.ecsq, t, coded, plan, device, meta.get("codes_digest"))
+                codes = _entropy_section(self.coder, t, coded, plan, device, meta.get("codes_digest"))
             else:
                 codes = _section(t, "codes", coded, plan, device)
             hidden_codes = None

@@ -32,9 +32,9 @@ from scd_store.bench.geometries import DEFAULT_GEOMETRY, GEOMETRIES, geometry
 from scd_store.codecs.kv_state import KVState
 from scd_store.codecs.scd.codec import ScdCodec
 from scd_store.codecs.scd.decoder import PairDecoder
-from scd_store.codecs.scd.ecsq import PACKING as ENTROPY_PACKING
 from scd_store.codecs.scd.ecsq import fit
 from scd_store.codecs.scd.layout import KVLayout, to_features
+from scd_store.codecs.scd.range_coding import PACKING as ENTROPY_PACKING
 from scd_store.codecs.scd.space import CodeSpace
 
 
@@ -185,9 +185,9 @@ def run_decode_bench(config: DecodeBenchConfig, codec: ScdCodec | None = None,
         into = tuple(torch.empty(shape, device=config.device, dtype=dtype) for _ in range(2))
         others = {"into": lambda p=source, c=bench_codec, o=into: c.decode_into(p, *o)}
         space = bench_codec.space
-        if space.ecsq is not None:  # the same codes in the other payload format, interleaved
+        if space.coder is not None:  # the same codes in the other payload format, interleaved
             other = "planes-2" if space.packing == ENTROPY_PACKING else ENTROPY_PACKING
-            twin = ScdCodec(space.with_ecsq(space.ecsq, other), bench_codec.decoder)
+            twin = ScdCodec(space.with_packing(other), bench_codec.decoder)
             twin_payload = twin.encode(state.to(dtype=torch.float32))
             twin_source = torch.frombuffer(bytearray(twin_payload), dtype=torch.uint8).to(config.device) \
                 if on_cuda else twin_payload

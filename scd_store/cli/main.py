@@ -78,7 +78,8 @@ def _calibrate(args: argparse.Namespace) -> int:
         base = replace(base, prefix_tokens=args.prefix_tokens)
     if args.continuation_tokens:
         base = replace(base, continuation_tokens=args.continuation_tokens)
-    base = replace(base, decoder=args.decoder, head_groups=args.head_groups, quantiser=args.quantiser)
+    base = replace(base, decoder=args.decoder, head_groups=args.head_groups, quantiser=args.quantiser,
+                   packing=args.packing)
     print(json.dumps(calibrate(args.producer, args.consumer, args.out, budget=args.budget or [base.budget],
                                steps=args.steps, windows=args.windows, reuse_space=args.reuse_space,
                                patch_layers=args.patch_layers or [0], patch_source=args.patch_source,
@@ -184,6 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--quantiser", choices=("fixed", "ecsq"), default="fixed",
                      help="fixed: fixed-rate quantisers in bit planes; ecsq: entropy-coded scalar quantisers with "
                           "fractional rates and range-coded payloads (--budget is then the coded entropy)")
+    cal.add_argument("--packing", choices=("planes-2", "ans-1"), default="",
+                     help="the payload format producers write: bit planes (fastest to decode) or range-coded against "
+                          "tables counted on the calibration text (fewest bytes); default: planes-2 for fixed, "
+                          "ans-1 for ecsq")
     cal.add_argument("--out", type=Path, required=True, help="bundle directory")
     cal.add_argument("--budget", type=float, action="append",
                      help="coded bits per dimension against fp16 (default 0.24: payload <= 25%% of fp16 KV); "

@@ -32,7 +32,7 @@ def test_fitted_quantisers_meet_the_rate_budget_and_error_falls_with_it():
 def test_both_payload_formats_decode_to_the_same_kv_and_range_coding_is_smaller():
     state = correlated_state(60, start=0, seed=11)
     ranged = tiny_ecsq_space(1.5, "ans-1")
-    planes = ranged.with_ecsq(ranged.ecsq, "planes-2")
+    planes = ranged.with_packing("planes-2")
     assert planes.fingerprint == ranged.fingerprint  # one space, two formats
     a = ScdCodec(ranged, PairDecoder.identity(ranged, "c"))
     b = ScdCodec(planes, PairDecoder.identity(planes, "c"))
@@ -123,9 +123,9 @@ def test_quantiser_tables_are_checked():
         EcsqQuantiser(torch.tensor([1.0]), torch.tensor([1]), torch.ones(2))
     with pytest.raises(ValueError, match="flat tensor"):  # a hostile bundle's dtypes are refused, never coerced
         EcsqQuantiser(torch.tensor([1.0]), torch.tensor([2.9]), torch.ones(4))
-    with pytest.raises(ValueError, match="flat tensor"):
+    with pytest.raises(ValueError, match="flat float32 tensor"):
         EcsqQuantiser(torch.tensor([1.0], dtype=torch.float64), torch.tensor([2]), torch.ones(4))
-    with pytest.raises(ValueError, match="flat tensor"):
+    with pytest.raises(ValueError, match="flat float32 tensor"):
         EcsqQuantiser(torch.tensor([[1.0]]), torch.tensor([2]), torch.ones(4))
 
 
@@ -133,5 +133,31 @@ def test_a_stream_too_short_for_its_token_count_is_refused_before_decoding():
     space = tiny_ecsq_space(2.0)
     words = torch.zeros(1, dtype=torch.int32)
     with pytest.raises(ValueError, match="cannot hold"):
-        space.ecsq.decode_codes(words, 10_000, "0" * 16)
-    assert space.ecsq.least_bits(100) > 0
+        space.coder.decode_codes(words, 10_000, "0" * 16)
+    assert space.coder.least_bits(100) > 0
+
+
+def test_a_fixed_rate_space_with_code_tables_range_codes_the_same_codes():
+    fixed = tiny_space(0.2, "tiny-tables", 2, "producer-fp")
+    feats = torch.cat([to_features(correlated_state(64, seed=s), LAYOUT) for s in range(8)])
+    ranged = fixed.with_tables(fixed.project(feats).reshape(feats.shape[0], -1))
+    assert ranged.fingerprint != fixed.fingerprint and ranged.packing == "ans-1"
+    assert ranged.payload_ratio() < fixed.payload_ratio()  # the tables' entropy is below the widths
+    state = correlated_state(50, start=0, seed=21)
+    identity = PairDecoder.identity(ranged, "c")
+    payload = ScdCodec(ranged, identity).encode(state)
+    planes = ScdCodec(ranged.with_packing("planes-2"), identity).encode(state)
+    assert len(payload) < len(planes)
+    a, b = ScdCodec(ranged, identity).decode(payload), ScdCodec(ranged, identity).decode(planes)
+    torch.testing.assert_close(a.keys, b.keys)
+    fixed_out = ScdCodec(fixed, PairDecoder.identity(fixed, "c")).decode(ScdCodec(fixed).encode(state))
+    torch.testing.assert_close(a.values, fixed_out.values)  # the same quantiser: the same KV
+
+
+def test_a_bundle_keeps_a_fixed_rate_space_s_code_tables(tmp_path):
+    fixed = tiny_space(0.2, "tiny-tables", 2, "producer-fp")
+    feats = torch.cat([to_features(correlated_state(64, seed=s), LAYOUT) for s in range(4)])
+    ranged = fixed.with_tables(fixed.project(feats).reshape(feats.shape[0], -1))
+    save_space(tmp_path, ranged)
+    loaded = load_space(tmp_path)
+    assert loaded.fingerprint == ranged.fingerprint and loaded.tables is not None and loaded.packing == "ans-1"

@@ -74,6 +74,9 @@ class CalibrationConfig:
     # "fixed": fixed-rate quantisers (integer widths, bit planes); "ecsq": entropy-coded scalar quantisers
     # (fractional rates, range-coded payloads; budget is then the tables' entropy against fp16)
     quantiser: str = "fixed"
+    # the payload format the space's producers write: "planes-2" (bit planes) or "ans-1" (range-coded against
+    # tables counted on the calibration text); "" = the quantiser's own (ecsq: ans-1, fixed: planes-2)
+    packing: str = ""
     seed: int = 0
     recipe: Recipe = field(default_factory=Recipe)
 
@@ -98,6 +101,10 @@ class CalibrationConfig:
             raise ValueError(f"quantiser must be one of {QUANTISERS}, got {self.quantiser!r}")
         if self.quantiser == "ecsq" and (self.patch_layers and self.patch_source == "hidden"):
             raise ValueError("entropy-coded quantisers are for REUSE spaces: PATCH from H_in codes it at fixed rate")
+        if self.packing not in ("", "planes-2", "ans-1"):
+            raise ValueError(f"packing must be planes-2 or ans-1, got {self.packing!r}")
+        if self.packing == "ans-1" and self.patch_layers and self.patch_source == "hidden":
+            raise ValueError("range-coded payloads are for REUSE spaces: PATCH from H_in codes it in bit planes")
         if self.patch_source not in SOURCES:
             raise ValueError(f"patch_source must be one of {SOURCES}, got {self.patch_source!r}")
 
@@ -106,6 +113,16 @@ class CalibrationConfig:
         """The decoder structure asked of :func:`~scd_store.codecs.scd.decoder.choose_structure`: per-head
         for a space of several head groups (a dense map would mix the ranks' heads), else :attr:`decoder`."""
         return "per-head" if self.head_groups > 1 else self.decoder
+
+    @property
+    def payload_packing(self) -> str:
+        """The format the space writes: :attr:`packing`, or the quantiser's own."""
+        return self.packing or ("ans-1" if self.quantiser == "ecsq" else "planes-2")
+
+    @property
+    def keeps_samples(self) -> bool:
+        """Whether the space needs the calibration features themselves (quantisers or tables fitted on them)."""
+        return self.quantiser == "ecsq" or self.payload_packing == "ans-1"
 
     @property
     def first_cut(self) -> int:

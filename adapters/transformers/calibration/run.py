@@ -141,7 +141,7 @@ def calibrate(producer_name: str | ModelSource, consumers: list[str | ModelSourc
     hidden_layers = tuple(sorted(ranking)) if patch_source == "hidden" else ()
     corpora = {corpus_name(plan.corpus): plan.corpus for plan in plans}
     stats = None if reuse_space else space_statistics(producer, [corpora[n] for n in sorted(corpora)], config,
-                                                      hidden_layers, progress, config.quantiser == "ecsq")
+                                                      hidden_layers, progress, config.keeps_samples)
     teachers = {plan.source.name: collect_teacher(producer, consumer, plan.corpus, config, hidden_layers, progress)
                 for plan, consumer in zip(plans, loaded, strict=True)}
     for b, k in combos:
@@ -162,6 +162,7 @@ def calibrate(producer_name: str | ModelSource, consumers: list[str | ModelSourc
                                                            "patch_layers": list(chosen), "patch_source": patch_source,
                                                            "head_groups": config.head_groups,
                                                            "quantiser": config.quantiser,
+                                                           "packing": config.payload_packing,
                                                            "device": str(producer.device)}})
         entry: dict = {"space_id": space.space_id, "payload_ratio": round(space.payload_ratio(), 4),
                        "patch_layers": list(chosen), "consumers": {}}

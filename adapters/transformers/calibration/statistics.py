@@ -50,15 +50,22 @@ class SpaceStatistics:
                                           config.recipe.key_weight, config.recipe.sink_tokens,
                                           self.producer_fingerprint, hidden_stats, head_groups=config.head_groups)
         if config.quantiser == "ecsq":
-            space = space.with_ecsq(self.entropy_coded(space, config))
+            space = space.with_ecsq(self.entropy_coded(space, config), config.payload_packing)
+        elif config.payload_packing == "ans-1":
+            space = space.with_tables(self.coordinates(space))
         return space
+
+    def coordinates(self, space: CodeSpace) -> torch.Tensor:
+        """The kept calibration features in ``space``'s basis ``[N, G * C]``."""
+        if self.samples is None:
+            raise ValueError("fitting quantisers or code tables needs the calibration features: "
+                             "space_statistics(keep_samples=True)")
+        return torch.cat([space.project(chunk.float()).flatten(1) for chunk in self.samples.split(2048)])
 
     def entropy_coded(self, space: CodeSpace, config: CalibrationConfig) -> EcsqQuantiser:
         """Entropy-coded scalar quantisers over ``space``'s basis at ``config.budget`` (the tables' entropy,
         against 16 bits), fitted on the kept calibration features."""
-        if self.samples is None:
-            raise ValueError("entropy-coded quantisers need the calibration features: space_statistics(keep_samples)")
-        z = torch.cat([space.project(chunk.float()).flatten(1) for chunk in self.samples.split(2048)])
+        z = self.coordinates(space)
         weights = torch.ones(self.layout.groups, self.layout.width)
         weights[0::2] = config.recipe.key_weight
         return fit(z, space.sigma.flatten(), weights.flatten(), config.budget * 16)
@@ -108,5 +115,5 @@ def fit_space(producer: LoadedModel, corpora: list[Corpus], config: CalibrationC
     """PCA basis and bit allocation from the producer's KV on calibration windows of ``corpora``; with
     ``patch_layers`` (and ``patch_source="hidden"``) also the basis of ``H_in`` at those layers."""
     coded_hidden = tuple(patch_layers) if config.patch_source == "hidden" else ()
-    stats = space_statistics(producer, corpora, config, coded_hidden, progress, config.quantiser == "ecsq")
+    stats = space_statistics(producer, corpora, config, coded_hidden, progress, config.keeps_samples)
     return stats.space(space_id, config, coded_hidden)

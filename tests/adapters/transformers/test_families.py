@@ -125,7 +125,13 @@ def test_an_entropy_coded_space_calibrates_stores_and_decodes_through_the_servic
     assert space.payload_ratio() <= 0.25 + 0.01  # the tables' entropy meets the budget
 
 
-def calibrate_store_and_decode(family: str, tmp_path, quantiser: str):
+def test_a_fixed_rate_space_with_range_coded_payloads_calibrates_stores_and_decodes(tmp_path):
+    space = calibrate_store_and_decode("llama", tmp_path, "fixed", packing="ans-1")
+    assert space.ecsq is None and space.tables is not None and space.packing == "ans-1"
+    assert space.payload_ratio() < 0.25
+
+
+def calibrate_store_and_decode(family: str, tmp_path, quantiser: str, packing: str = ""):
     """Fit a space (``quantiser``) and a decoder on a family's random model; store and decode through the service."""
     producer_model = build(family)
     tokenizer = ByteTokenizer()
@@ -133,8 +139,9 @@ def calibrate_store_and_decode(family: str, tmp_path, quantiser: str):
     consumer = LoadedModel("consumer", fine_tune_of(producer_model), tokenizer, "c-fp")
     (tmp_path / "text.txt").write_text(" ".join(f"word{i % 97} w{i % 13}" for i in range(3000)))
     text = UserText((str(tmp_path / "text.txt"),))
-    config = CalibrationConfig(budget=0.5 if quantiser == "fixed" else 0.25, basis_windows=12, prefix_tokens=32,
-                               continuation_tokens=4, distill_windows=3, distill_steps=3, quantiser=quantiser)
+    config = CalibrationConfig(budget=0.25 if quantiser == "ecsq" or packing else 0.5, basis_windows=12,
+                               prefix_tokens=32, continuation_tokens=4, distill_windows=3, distill_steps=3,
+                               quantiser=quantiser, packing=packing)
     space = fit_space(producer, [text], config, f"{family}-space", progress=False)
     decoder, stats = distil_decoder(producer, consumer, space, text, config, progress=False)
     assert stats["steps"] == 3 and stats["kl_last"] >= 0
