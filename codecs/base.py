@@ -9,7 +9,7 @@ import torch
 from scd_store.codecs.head_share import HeadShare
 from scd_store.codecs.kv_state import KVState
 from scd_store.codecs.paged import PagedCaches, check_fit, scatter_eager
-from scd_store.codecs.tensor_pack import PayloadError
+from scd_store.codecs.tensor_pack import PayloadError, json_int
 
 
 class Codec(ABC):
@@ -71,6 +71,20 @@ class Codec(ABC):
     def decode_batch(self, payloads: list[bytes], *, device: torch.device | str = "cpu",
                      dtype: torch.dtype = torch.float32) -> list[KVState]:
         return [self.decode(p, device=device, dtype=dtype) for p in payloads]
+
+
+def kv_shape(meta: dict, codec_id: str, expect_tokens: int | None, bits: int | None = None) -> list[int]:
+    """A baseline payload's ``[layers, heads, tokens, head_dim]`` (JSON integers, none negative; ``bits``
+    equal to the header's when given), its token count checked against ``expect_tokens`` before anything
+    sized by it is allocated. Raises ``ValueError`` / ``KeyError`` / :class:`PayloadError`."""
+    shape = meta["shape"]
+    if not isinstance(shape, list) or len(shape) != 4 or (bits is not None and json_int(meta["bits"], "bits") != bits):
+        raise ValueError("bit width or shape mismatch")
+    shape = [json_int(s, f"{codec_id} payload dimension") for s in shape]
+    if min(shape) < 0:
+        raise ValueError(f"negative dimension in {shape}")
+    check_tokens(shape[2], expect_tokens)
+    return shape
 
 
 def check_tokens(tokens: int, expect_tokens: int | None) -> None:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from scd_store.codecs.base import Codec, check_tokens
+from scd_store.codecs.base import Codec, check_tokens, kv_shape
 from scd_store.codecs.group_quant import Quantized, dequantize, quantize
 from scd_store.codecs.kv_state import KVState
-from scd_store.codecs.tensor_pack import PayloadError, json_int, pack, unpack
+from scd_store.codecs.tensor_pack import PayloadError, pack, unpack
 
 
 class RawCodec(Codec):
@@ -69,13 +69,7 @@ class KiviCodec(Codec):
                expect_tokens: int | None = None) -> KVState:
         _, meta, t = unpack(payload, self.codec_id)
         try:
-            shape = meta["shape"]
-            if not isinstance(shape, list) or len(shape) != 4 or json_int(meta["bits"], "bits") != self.bits:
-                raise ValueError("bit width or shape mismatch")
-            shape = [json_int(s, f"{self.codec_id} payload dimension") for s in shape]
-            if min(shape) < 0:
-                raise ValueError(f"negative dimension in {shape}")
-            check_tokens(shape[self.KEY_AXIS], expect_tokens)  # before dequantising: that allocates
+            shape = kv_shape(meta, self.codec_id, expect_tokens, self.bits)  # before dequantising: that allocates
             keys = dequantize(Quantized(t["k_codes"], t["k_scale"], t["k_offset"]), self.KEY_AXIS,
                               shape[self.KEY_AXIS], self.bits, 4)
             values = dequantize(Quantized(t["v_codes"], t["v_scale"], t["v_offset"]), self.VALUE_AXIS,

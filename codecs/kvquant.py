@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from scd_store.codecs.base import Codec, check_tokens
+from scd_store.codecs.base import Codec, kv_shape
 from scd_store.codecs.group_quant import Quantized, dequantize, quantize
 from scd_store.codecs.kv_state import KVState
 from scd_store.codecs.rotated import pack_bits, unpack_bits
@@ -76,14 +76,10 @@ class KVQuantLiteCodec(Codec):
                expect_tokens: int | None = None) -> KVState:
         _, meta, t = unpack(payload, self.codec_id)
         try:
-            shape = meta["shape"]
-            if not isinstance(shape, list) or len(shape) != 4:
-                raise ValueError("shape mismatch")
-            shape = [json_int(s, "kvq2 payload dimension") for s in shape]
+            shape = kv_shape(meta, self.codec_id, expect_tokens)  # before unpacking: that allocates
             start = json_int(meta["start"], "kvq2 payload start")
-            if min(shape) < 0 or start < 0 or tuple(shape[i] for i in (0, 1, 3)) != self.layout.geometry:
+            if start < 0 or tuple(shape[i] for i in (0, 1, 3)) != self.layout.geometry:
                 raise ValueError(f"shape {shape} does not fit the layout {self.layout.geometry}")
-            check_tokens(shape[2], expect_tokens)  # before unpacking: that allocates
             n = shape[0] * shape[1] * shape[2] * shape[3]
             codes = unpack_bits(t["k_codes"], 2, n).view(shape).long()
             levels = t["k_levels"].float()

@@ -14,9 +14,9 @@ import math
 
 import torch
 
-from scd_store.codecs.base import Codec, check_tokens
+from scd_store.codecs.base import Codec, kv_shape
 from scd_store.codecs.kv_state import KVState
-from scd_store.codecs.tensor_pack import PayloadError, json_int, pack, unpack
+from scd_store.codecs.tensor_pack import PayloadError, pack, unpack
 
 # Lloyd-Max reconstruction levels of a unit Gaussian (Max 1960), positive half, by bit count
 LLOYD_MAX = {
@@ -111,13 +111,7 @@ class RotatedCodec(Codec):
                expect_tokens: int | None = None) -> KVState:
         _, meta, t = unpack(payload, self.codec_id)
         try:
-            shape = meta["shape"]
-            if not isinstance(shape, list) or len(shape) != 4 or json_int(meta["bits"], "bits") != self.bits:
-                raise ValueError("bit width or shape mismatch")
-            shape = [json_int(s, f"{self.codec_id} payload dimension") for s in shape]
-            if min(shape) < 0:
-                raise ValueError(f"negative dimension in {shape}")
-            check_tokens(shape[2], expect_tokens)  # before unpacking: that allocates
+            shape = kv_shape(meta, self.codec_id, expect_tokens, self.bits)  # before unpacking: that allocates
             keys = self._decode_tensor(t["k_codes"], t["k_norm"], shape, device)
             values = self._decode_tensor(t["v_codes"], t["v_norm"], shape, device)
         except (KeyError, IndexError, ValueError, RuntimeError, TypeError) as exc:
