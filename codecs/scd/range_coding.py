@@ -14,12 +14,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from scd_store.errors import ScdStoreError
+
 PACKING = "ans-1"
 FLOOR = 1e-3  # share of each table spread evenly over its codes: every code stays codable (unseen: ~10 + w bits)
 MAX_WIDTH = 8
 
 
-class RangeCodingError(ValueError):
+class RangeCodingError(ScdStoreError, ValueError):
     """Coded words that do not decode to a whole payload against the space's tables."""
 
 
