@@ -73,7 +73,10 @@ def test_cli_writes_the_quality_json(tmp_path):
     assert {m["name"] for m in data["methods"]} == {"oracle", "raw", "int8", "int4"}  # --methods; oracle always
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
     for m in data["methods"]:
-        assert set(m) == {"name", "ppl", "ppl_rel", "kl", "top1", "bytes_per_token", "payload_ratio"}
+        assert set(m) == {"name", "ppl", "ppl_rel", "kl", "top1", "bytes_per_token", "payload_ratio", "intervals"}
+        if m["name"] != "oracle":  # every other method's measures carry their interval over the windows
+            assert set(m["intervals"]) == {"kl", "top1", "ppl_rel"} and m["intervals"]["kl"]["n"] == data["windows"]
+    assert {(p["a"], p["b"]) for p in data["paired"]} == set()  # no scd bundle in this run: nothing paired
 
 
 def test_cli_reports_an_unknown_consumer_clearly():
