@@ -24,7 +24,7 @@ import torch
 
 from scd_store.codecs.fingerprint import tensors_fingerprint
 from scd_store.codecs.scd.patch import PatchAligner
-from scd_store.codecs.scd.quantizer import STEP
+from scd_store.codecs.scd.quantizer import STEP, code_centres_of
 from scd_store.codecs.scd.space import CodeSpace
 
 
@@ -152,7 +152,7 @@ def choose_structure(groups: int, kv_heads: int, head_dim: int, consumer_bytes: 
 
 def code_centres(space: CodeSpace) -> torch.Tensor:
     """``2^(b - 1)`` per component ``[G, C]`` (int64; 0 without bits): the code of a quantiser's middle."""
-    return torch.where(space.bits > 0, 1 << (space.bits - 1).clamp_min(0), torch.zeros((), dtype=torch.int64))
+    return code_centres_of(space.bits)
 
 
 def centred_codes(codes: torch.Tensor, centres: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

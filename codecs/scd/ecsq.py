@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from scd_store.codecs.scd.range_coding import FLOOR, CodeTables, count_tables
+from scd_store.codecs.scd.quantizer import code_centres_of
+from scd_store.codecs.scd.range_coding import CodeTables, count_tables, floored
 
 STEP_GRID = tuple(round(0.08 * 1.15 ** i, 4) for i in range(30))  # steps in units of the component's sigma
 MIN_WIDTH, MAX_WIDTH = 2, 8
@@ -65,7 +66,7 @@ class EcsqQuantiser:
     def quantize(self, z: torch.Tensor) -> torch.Tensor:
         """Codes ``[T, n]`` (uint8; 0 for components not sent) of coordinates ``z`` ``[T, n]``."""
         w = self.widths.to(z.device)
-        centre = torch.where(w > 0, 1 << (w - 1).clamp_min(0), 0).to(z.dtype)
+        centre = code_centres_of(w).to(z.dtype)
         step = self.steps.to(z)
         q = torch.round(z / torch.where(step > 0, step, torch.ones_like(step))) + centre
         q = torch.minimum(q.clamp_min(0), ((1 << w) - 1).to(z.dtype))
@@ -73,8 +74,7 @@ class EcsqQuantiser:
 
     def dequantize(self, codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Reconstruction ``(code - 2^(w - 1)) * step`` (0 where a component is not sent)."""
-        w = self.widths.to(codes.device)
-        centre = torch.where(w > 0, 1 << (w - 1).clamp_min(0), 0).to(dtype)
+        centre = code_centres_of(self.widths.to(codes.device)).to(dtype)
         return (codes.to(dtype) - centre) * self.steps.to(device=codes.device, dtype=dtype)
 
 
@@ -107,7 +107,7 @@ def step_tables(z: torch.Tensor, sigma: torch.Tensor, chunk: int = 256
             size = 1 << MAX_WIDTH
             counts = torch.bincount((torch.arange(m) * size + q).flatten(), minlength=m * size).view(m, size).double()
             p = counts / counts.sum(1, keepdim=True)
-            table = p * (1 - FLOOR) + FLOOR / (1 << w).double().unsqueeze(1)  # what the coder will use
+            table = floored(p, (1 << w).double().unsqueeze(1))  # what the coder will use
             coded = -(p * torch.log2(table.clamp_min(1e-300))).sum(1).float()  # 2^w..256 codes: p = 0 there
             rate[cols, g] = torch.where(ok, coded, torch.full_like(coded, math.inf))
             mse[cols, g], width[cols, g] = err, w
@@ -136,10 +136,12 @@ def allocate(rate: torch.Tensor, mse: torch.Tensor, weights: torch.Tensor, budge
     return best
 
 
-def fit(z: torch.Tensor, sigma: torch.Tensor, weights: torch.Tensor, budget_bits: float) -> EcsqQuantiser:
+def fit(z: torch.Tensor, sigma: torch.Tensor, weights: torch.Tensor, budget_bits: float,
+        tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> EcsqQuantiser:
     """The :class:`EcsqQuantiser` of calibration coordinates ``z`` ``[T, n]`` at ``budget_bits`` coded bits
-    per component on average (``weights``: each component's distortion weight)."""
-    rate, mse, width = step_tables(z, sigma)
+    per component on average (``weights``: each component's distortion weight). ``tables``:
+    :func:`step_tables` of the same ``z`` and ``sigma``, when already made (they do not depend on the budget)."""
+    rate, mse, width = tables if tables is not None else step_tables(z, sigma)
     picked = allocate(rate, mse, weights.float(), budget_bits)
     rows = torch.arange(z.shape[1])
     grid = torch.tensor((0.0, *STEP_GRID))

@@ -43,6 +43,11 @@ def allocate_bits(variances: torch.Tensor, weights: torch.Tensor, total_bits: in
     return torch.tensor(bits, dtype=torch.int64).reshape(variances.shape)
 
 
+def code_centres_of(widths: torch.Tensor) -> torch.Tensor:
+    """``2^(w - 1)`` per component (int64; 0 for width 0): the code of a ``w``-bit quantiser's middle."""
+    return torch.where(widths > 0, 1 << (widths - 1).clamp_min(0), torch.zeros((), dtype=torch.int64))
+
+
 def quantize(z: torch.Tensor, sigma: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """Codes (uint8) of ``z`` ``[T, n]`` for per-column ``sigma`` ``[n]`` and ``bits`` ``[n]``."""
     step = torch.tensor(STEP, dtype=z.dtype, device=z.device)[bits] * sigma

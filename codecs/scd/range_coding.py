@@ -32,12 +32,17 @@ def codes_digest(codes: np.ndarray) -> str:
     return xxhash.xxh3_64_hexdigest(np.ascontiguousarray(codes, dtype=np.uint8).tobytes())
 
 
+def floored(p: torch.Tensor, size: int | torch.Tensor) -> torch.Tensor:
+    """Probabilities ``p`` over ``size`` codes with :data:`FLOOR` of the mass spread evenly: what the coder uses."""
+    return p * (1 - FLOOR) + FLOOR / size
+
+
 def count_tables(codes: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
     """Floored probability tables (flat float32, sent components in order) of sample codes ``[T, n]``."""
     tables = []
     for j in widths.nonzero().flatten().tolist():
         counts = torch.bincount(codes[:, j].to(torch.int64), minlength=1 << int(widths[j])).double()
-        tables.append((counts / counts.sum() * (1 - FLOOR) + FLOOR / counts.numel()).float())
+        tables.append(floored(counts / counts.sum(), counts.numel()).float())
     return torch.cat(tables).float() if tables else torch.zeros(0)
 
 

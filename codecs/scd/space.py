@@ -69,6 +69,14 @@ def _entropy_section(coder: CodeTables, tensors: dict[str, torch.Tensor], coded:
     return out.to(device)
 
 
+def key_weights(groups: int, width: int, key_weight: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The allocator's distortion weight per component ``[groups, width]``: ``key_weight`` on the key groups
+    (even), 1 on the value groups."""
+    weights = torch.ones(groups, width, dtype=dtype)
+    weights[0::2] = key_weight
+    return weights
+
+
 def head_group_basis(cov: torch.Tensor, layout: KVLayout, head_groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Eigenvalues ``[G, C]`` (decreasing, clamped at 0) and orthonormal eigenvectors ``[G, C, C]`` (columns)
     of covariances ``[G, C, C]``; with ``head_groups`` > 1, of each head group's diagonal block alone, so each
@@ -179,8 +187,7 @@ class CodeSpace:
                 raise ValueError(f"sensitivity {tuple(sensitivity.shape)} does not match the covariances")
             weights = torch.einsum("gcj,gcd,gdj->gj", eigvecs, sensitivity.double(), eigvecs).clamp_min(0)
         else:
-            weights = torch.ones_like(eigvals)
-            weights[0::2] = key_weight
+            weights = key_weights(layout.groups, layout.width, key_weight, eigvals.dtype)
         hidden = None
         coded_groups = layout.groups
         if hidden_stats is not None:
@@ -212,14 +219,12 @@ class CodeSpace:
         new space: another fingerprint; the same codes, range-coded)."""
         codes = quantize(z, self.sigma.flatten().to(z), self.bits.flatten().to(z.device))
         tables = CodeTables(self.bits.flatten().clone(), count_tables(codes, self.bits.flatten()))
-        return CodeSpace(self.space_id, self.layout, self.mean, self.basis, self.sigma, self.bits, self.sink_tokens,
-                         self.producer_fingerprint, None, None, packing, tables, self.max_positions)
+        return replace(self, hidden=None, ecsq=None, packing=packing, tables=tables)
 
     def with_ecsq(self, quantiser: EcsqQuantiser, packing: str = ENTROPY_PACKING) -> CodeSpace:
         """This space's basis with entropy-coded scalar quantisers (a new space: another fingerprint)."""
-        return CodeSpace(self.space_id, self.layout, self.mean, self.basis, self.sigma,
-                         quantiser.widths.view_as(self.bits).clone(), self.sink_tokens, self.producer_fingerprint,
-                         None, quantiser, packing, None, self.max_positions)
+        return replace(self, bits=quantiser.widths.view_as(self.bits).clone(), hidden=None, ecsq=quantiser,
+                       packing=packing, tables=None)
 
     @property
     def fingerprint(self) -> str:

@@ -34,7 +34,7 @@ from scd_store.bench.entropy_audit import (
     gaussian_rate,
 )
 from scd_store.codecs.scd.quantizer import allocate_bits, dequantize, quantize
-from scd_store.codecs.scd.space import CodeSpace
+from scd_store.codecs.scd.space import CodeSpace, key_weights
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,9 +71,7 @@ def coordinates(space: CodeSpace, producer, windows: list[torch.Tensor]) -> list
 
 def weights_of(space: CodeSpace, key_weight: float) -> torch.Tensor:
     """The allocator's distortion weight per component ``[groups * C]``: ``key_weight`` on keys, 1 on values."""
-    w = torch.ones(space.layout.groups, space.layout.width)
-    w[0::2] = key_weight
-    return w.flatten()
+    return key_weights(space.layout.groups, space.layout.width, key_weight).flatten()
 
 
 def fixed_rate_point(space: CodeSpace, bits: torch.Tensor, test: torch.Tensor, weights: torch.Tensor
@@ -115,9 +113,12 @@ def fixed_rate_audit(space: CodeSpace, train: torch.Tensor, test: torch.Tensor, 
     contexts = 1 << CONTEXT_BITS
     totals = {"in_sample_entropy": 0.0, "order0": 0.0, "given_previous_token": 0.0, "given_previous_layer": 0.0}
     per_width: dict[int, list[float]] = {}
+    coarse: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # the last groups' contexts, for the layer above
     for group in range(space.layout.groups):
         codes_train, bits = _group_codes(train, space, group)
         codes_test, _ = _group_codes(test, space, group)
+        coarse[group] = (coarsen(codes_train, bits), coarsen(codes_test, bits))
+        coarse.pop(group - 3, None)
         sent = bits > 0
         if not int(sent.sum()):
             continue
@@ -132,10 +133,7 @@ def fixed_rate_audit(space: CodeSpace, train: torch.Tensor, test: torch.Tensor, 
             a_train, a_test, alphabet, previous_token(a_train, b, train_first),
             previous_token(a_test, b, test_first), contexts).sum())
         if group >= 2:
-            below_train, below_bits = _group_codes(train, space, group - 2)
-            below_test, _ = _group_codes(test, space, group - 2)
-            ctx_train = coarsen(below_train, below_bits)[:, sent]
-            ctx_test = coarsen(below_test, below_bits)[:, sent]
+            ctx_train, ctx_test = (ctx[:, sent] for ctx in coarse[group - 2])
             totals["given_previous_layer"] += float(coded_bits(a_train, a_test, alphabet, ctx_train, ctx_test,
                                                                contexts).sum())
         else:

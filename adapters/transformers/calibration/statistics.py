@@ -8,7 +8,7 @@ moments of the producer's normalised pre-attention input at the patch layers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
@@ -18,9 +18,9 @@ from scd_store.adapters.transformers.calibration.text import calibration_windows
 from scd_store.adapters.transformers.capture import prefill_capture
 from scd_store.adapters.transformers.layout import layout_of
 from scd_store.adapters.transformers.loading import LoadedModel
-from scd_store.codecs.scd.ecsq import EcsqQuantiser, fit
+from scd_store.codecs.scd.ecsq import EcsqQuantiser, fit, step_tables
 from scd_store.codecs.scd.layout import KVLayout, to_features
-from scd_store.codecs.scd.space import CodeSpace
+from scd_store.codecs.scd.space import CodeSpace, key_weights
 from scd_store.models.windows import Corpus
 
 
@@ -35,6 +35,8 @@ class SpaceStatistics:
     hidden: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (mean [D], cov [D, D])
     producer_fingerprint: str
     samples: torch.Tensor | None = None  # [N, G, C] fp16 features (kept for entropy-coded quantisers)
+    # ECSQ step tables per head_groups (the basis): every budget of a sweep shares them
+    step_tables: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
 
     def space(self, space_id: str, config: CalibrationConfig, patch_layers: tuple[int, ...] = ()) -> CodeSpace:
         """The code space for ``config.budget`` (PATCH ``H_in`` codes at ``patch_layers``, which must be
@@ -66,9 +68,11 @@ class SpaceStatistics:
         """Entropy-coded scalar quantisers over ``space``'s basis at ``config.budget`` (the tables' entropy,
         against 16 bits), fitted on the kept calibration features."""
         z = self.coordinates(space)
-        weights = torch.ones(self.layout.groups, self.layout.width)
-        weights[0::2] = config.recipe.key_weight
-        return fit(z, space.sigma.flatten(), weights.flatten(), config.budget * 16)
+        sigma = space.sigma.flatten()
+        if config.head_groups not in self.step_tables:
+            self.step_tables[config.head_groups] = step_tables(z, sigma)
+        weights = key_weights(self.layout.groups, self.layout.width, config.recipe.key_weight).flatten()
+        return fit(z, sigma, weights, config.budget * 16, self.step_tables[config.head_groups])
 
 
 @torch.no_grad()
