@@ -51,12 +51,15 @@ def test_a_family_calibrates_and_measures_from_checkpoint_directories(family, te
     quality = run_quality(QualityConfig(f"tuned={tmp_path / 'tuned'}", producer=str(tmp_path / "base"),
                                         text=eval_text, windows=2, prefix_tokens=64, continuation_tokens=8,
                                         methods=("oracle", "raw", "rot2"), bundles=(str(tmp_path / "bundle"),),
-                                        no_map=True),
+                                        no_map=True, anchor_map=str(tmp_path / "bundle")),
                           progress=False)
     methods = {m["name"]: m for m in quality.methods}
-    assert set(methods) == {"oracle", "raw", "rot2", "scd", "scd/no-map"} and methods["oracle"]["kl"] == 0
+    assert set(methods) == {"oracle", "raw", "rot2", "raw+map", "rot2+map", "scd", "scd/no-map"}
+    assert methods["oracle"]["kl"] == 0
     assert methods["scd/no-map"]["payload_ratio"] == methods["scd"]["payload_ratio"]
-    assert {(p["a"], p["b"]) for p in quality.paired} == {("scd", "raw"), ("scd", "rot2"), ("scd", "scd/no-map")}
+    assert methods["rot2+map"]["payload_ratio"] == methods["rot2"]["payload_ratio"]
+    assert {(p["a"], p["b"]) for p in quality.paired} == {("scd", "raw"), ("scd", "rot2"), ("scd", "raw+map"),
+                                                          ("scd", "rot2+map"), ("scd", "scd/no-map")}
     ci = methods["scd"]["intervals"]["kl"]
     assert ci["low"] <= methods["scd"]["kl"] <= ci["high"] and ci["n"] == 2
     assert all(torch.isfinite(torch.tensor([m["kl"], m["ppl"]])).all() for m in methods.values())

@@ -17,6 +17,13 @@ def pareto_points(report: dict, measure: str = "ppl_rel") -> list[tuple[str, flo
     return [(m["name"], m["payload_ratio"], m[measure]) for m in report["methods"] if m["name"] not in SKIPPED]
 
 
+def _colour(name: str) -> str:
+    """scd-store's codes red, anchors followed by the distilled map green, anchors alone blue."""
+    if name.startswith("scd"):
+        return "tab:red"
+    return "tab:green" if name.endswith("+map") else "tab:blue"
+
+
 def _interval(report: dict, name: str, measure: str) -> tuple[float, float] | None:
     """A method's ``(low, high)`` for ``measure`` when the report carries intervals."""
     for m in report["methods"]:
@@ -58,7 +65,7 @@ def plot_pareto(reports: list[dict], path: Path) -> Path:
             ax = axes[row][col]
             points = pareto_points(report, measure)
             for name, ratio, value in points:
-                color = "tab:red" if name.startswith("scd") else "tab:blue"
+                color = _colour(name)
                 ax.scatter(ratio, scale * value, s=24, color=color, zorder=3)
                 ci = _interval(report, name, measure)
                 if ci is not None:

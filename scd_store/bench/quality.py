@@ -18,6 +18,8 @@ from tqdm import tqdm
 from scd_store.adapters.transformers import LoadedModel, continue_with_prefix, load_model, prefill_capture
 from scd_store.adapters.transformers.droidspeak import DroidSpeakCodec, select_group
 from scd_store.adapters.transformers.layout import layout_of
+from scd_store.bench.anchor_map import SUFFIX as MAP_SUFFIX
+from scd_store.bench.anchor_map import MappedAnchor
 from scd_store.bench.metrics import ContinuationScore
 from scd_store.bench.pareto import plot_pareto
 from scd_store.bench.quality_intervals import method_intervals, paired_difference
@@ -54,6 +56,7 @@ class QualityConfig:
     device: str = "cpu"
     bundles: tuple[str, ...] = ()  # SCD calibration bundles: each adds an scd method (see scd_method_names)
     no_map: bool = False  # also each bundle's space with no decoder map (the producer's KV through the codes alone)
+    anchor_map: str = ""  # a bundle whose map also follows each anchor (``int2+map``...): adaptation held equal
     droidspeak_layers: int = 6  # size of the layer group the droidspeak baseline recomputes
     selection_windows: int = 4  # calibration-split windows that choose the droidspeak group
     selection_stride: int = 1  # candidate group starts tried: every layer, or every n-th
@@ -69,6 +72,8 @@ class QualityConfig:
             raise ValueError("the oracle method is required: every metric is relative to it")
         if len(set(self.scd_method_names())) != len(self.bundles):
             raise ValueError("bundles must have distinct directory names")
+        if self.anchor_map and not self.anchors():
+            raise ValueError("--anchor-map needs an anchor among the methods (raw, int8, int4, int2, rot1..4, kvq2)")
         if min(self.droidspeak_layers, self.selection_windows, self.selection_stride) <= 0:
             raise ValueError("droidspeak_layers, selection_windows and selection_stride must be positive")
 
@@ -85,6 +90,14 @@ class QualityConfig:
         if len(self.bundles) == 1:
             return [SCD_METHOD]
         return [f"{SCD_METHOD}:{Path(b).name}" for b in self.bundles]
+
+    def anchors(self) -> list[str]:
+        """The measured methods that compress the producer's KV without adapting it (what ``anchor_map`` follows)."""
+        return [m for m in self.methods if m not in ("oracle", "none", DROIDSPEAK)]
+
+    def mapped_anchor_names(self) -> list[str]:
+        """``<anchor>+map`` for each anchor when ``anchor_map`` is set."""
+        return [a + MAP_SUFFIX for a in self.anchors()] if self.anchor_map else []
 
     def quick(self) -> QualityConfig:
         return replace(self, windows=min(self.windows, 6), continuation_tokens=min(self.continuation_tokens, 32),
@@ -135,6 +148,13 @@ def run_quality(config: QualityConfig, progress: bool = True) -> QualityReport:
         if config.no_map:
             space = codecs[name].space
             codecs[name + NO_MAP] = ScdCodec(space, PairDecoder.identity(space, consumer.name))
+    if config.anchor_map:
+        mapped = load_scd_codec(Path(config.anchor_map), producer, consumer)
+        for anchor in [a for a in config.anchors() if a in codecs]:
+            codecs[anchor + MAP_SUFFIX] = MappedAnchor(codecs[anchor], mapped.decoder, mapped.space.layout,
+                                                       mapped.space.sink_tokens)
+            methods.append(anchor + MAP_SUFFIX)
+            scores[anchor + MAP_SUFFIX] = ContinuationScore()
     residual_layers: list[int] = []
     hidden_layers = sorted({layer for name in config.scd_method_names() for layer in codecs[name].space.patch_layers})
     if DROIDSPEAK in base_methods:
@@ -173,6 +193,8 @@ def run_quality(config: QualityConfig, progress: bool = True) -> QualityReport:
         extra = {}
         if name == DROIDSPEAK:
             extra = {"layers": [codecs[name].group.start, codecs[name].group.stop]}
+        elif name.endswith(MAP_SUFFIX):
+            extra = {"map_of": config.anchor_map}
         elif name in bundle_of:
             patches = codecs[name].decoder.patches
             extra = {"bundle": bundle_of[name], "kind": "patch-" + patches[0].source if patches else "reuse",
@@ -189,6 +211,7 @@ def run_quality(config: QualityConfig, progress: bool = True) -> QualityReport:
             **extra,
         })
     baselines = [m for m in base_methods if m != "oracle"]
+    baselines += [m for m in methods if m.endswith(MAP_SUFFIX)]
     for name in config.scd_method_names():
         for other in baselines + ([name + NO_MAP] if config.no_map else []):
             report.paired.append({"a": name, "b": other, **paired_difference(scores[name], scores[other])})

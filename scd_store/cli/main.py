@@ -50,7 +50,7 @@ def _bench_quality(args: argparse.Namespace) -> int:
                            calib_text=tuple(args.calib_text), windows=args.windows, seed=args.seed, device=args.device,
                            prefix_tokens=args.prefix_tokens, continuation_tokens=args.continuation_tokens,
                            bundles=tuple(str(b) for b in args.bundle), no_map=args.no_map,
-                           droidspeak_layers=args.droidspeak_layers, **methods)
+                           anchor_map=str(args.anchor_map or ""), droidspeak_layers=args.droidspeak_layers, **methods)
     if args.quick:
         config = config.quick()
     report = run_quality(config)
@@ -158,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
                                            "(rot1..rot4, the rotated scalar quantiser, only when named)")
     quality.add_argument("--no-map", action="store_true",
                          help="also each bundle's codes decoded without the consumer's map (no adaptation)")
+    quality.add_argument("--anchor-map", type=Path, metavar="BUNDLE",
+                         help="also each anchor (raw, int*, rot*, kvq2) followed by BUNDLE's distilled map for this "
+                              "consumer (<anchor>+map): adaptation held equal, compression compared")
     quality.add_argument("--droidspeak-layers", type=int, default=6, help="layers the droidspeak baseline recomputes")
     quality.set_defaults(func=_bench_quality)
     _add_store_commands(sub, bench)
