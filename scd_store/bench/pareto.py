@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+X_TICKS = (0.0625, 0.125, 0.25, 0.5, 1.0)  # payload / fp16: a sixteenth to all of it
 SKIPPED = ("oracle", "none")  # the reference, and the no-prefix point far above every method
 # (report field, axis label, scale, lower is better)
 MEASURES = (("ppl_rel", "continuation PPL vs own prefill (%)", 100.0, True),
@@ -55,7 +56,7 @@ def plot_pareto(reports: list[dict], path: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import PercentFormatter
+    from matplotlib.ticker import NullFormatter, PercentFormatter
 
     measures = [m for m in MEASURES if all(all(m[0] in x for x in r["methods"]) for r in reports)]
     fig, axes = plt.subplots(len(measures), len(reports), figsize=(6 * len(reports), 3.6 * len(measures)),
@@ -76,8 +77,14 @@ def plot_pareto(reports: list[dict], path: Path) -> Path:
                 ax.step([r for r, _ in line], [scale * v for _, v in line], where="post", color="grey",
                         linewidth=0.8, linestyle="--")
             ax.set_xscale("log")
-            ax.xaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
-            ax.xaxis.set_minor_formatter(PercentFormatter(1.0, decimals=0))
+            ax.set_xticks([t for t in X_TICKS if t <= 1.0])
+            ax.xaxis.set_major_formatter(PercentFormatter(1.0, decimals=1))
+            ax.xaxis.set_minor_formatter(NullFormatter())
+            if lower:  # orders of magnitude apart (a 1-bit quantiser next to near-lossless codes): log-like
+                ax.set_yscale("symlog", linthresh=1.0 if measure == "ppl_rel" else 0.01)
+                lows = [scale * v for _, _, v in points] + [scale * ci[0] for name, _, _ in points
+                                                            if (ci := _interval(report, name, measure))]
+                ax.set_ylim(bottom=min([0.0, *lows]))
             ax.set_xlabel("payload / raw fp16 KV")
             ax.set_ylabel(label, fontsize=8)
             if row == 0:
