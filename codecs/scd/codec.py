@@ -33,18 +33,22 @@ _SPACE_FOLDS: dict[str, dict[tuple, tuple[torch.Tensor, ...]]] = {}
 
 
 def matmul_dtype(matmul: str, device) -> torch.dtype:
-    """The dtype of the decode's products: ``"auto"`` is bf16 on a CPU with AMX tiles (oneDNN runs bf16
-    products there ~6x faster than fp32, and bf16 holds the centred codes exactly), fp32 elsewhere;
-    ``SCD_STORE_DECODE_MATMUL=float32|bfloat16`` overrides ``"auto"``."""
+    """The dtype of the decode's products: ``"auto"`` is bf16 on a CPU with bf16 dot products (AMX tiles:
+    oneDNN runs them ~6x faster than fp32; AVX512-BF16: the decode 1.5x faster; bf16 holds the centred
+    codes exactly), fp32 elsewhere; ``SCD_STORE_DECODE_MATMUL=float32|bfloat16`` overrides ``"auto"``."""
     if matmul == "auto":
         forced = os.environ.get("SCD_STORE_DECODE_MATMUL", "")
         if forced:
             if forced not in MATMULS[1:]:
                 raise ValueError(f"SCD_STORE_DECODE_MATMUL must be one of {MATMULS[1:]}, got {forced!r}")
             return getattr(torch, forced)
-        amx = torch.device(device).type == "cpu" and torch.cpu._is_amx_tile_supported()
-        return torch.bfloat16 if amx else torch.float32
+        return torch.bfloat16 if torch.device(device).type == "cpu" and cpu_has_bf16_products() else torch.float32
     return getattr(torch, matmul)
+
+
+def cpu_has_bf16_products() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AMX tiles or AVX512-BF16)."""
+    return bool(torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
 
 
 class ScdCodec(Codec):
@@ -54,7 +58,7 @@ class ScdCodec(Codec):
     out, only the components that carry bits), then one pass that moves heads and rotates keys
     straight into the output cache tensors; on a CPU a few layers at a time, so each step's codes
     and features stay in cache, on an accelerator all layers at once. ``matmul``: the products'
-    dtype (:func:`matmul_dtype`; ``"auto"`` is bf16 on CPUs with AMX tiles, on centred codes).
+    dtype (:func:`matmul_dtype`; ``"auto"`` is bf16 on CPUs with AMX tiles or AVX512-BF16, on centred codes).
     """
 
     codec_id = CODEC_ID

@@ -78,7 +78,7 @@ OTHER_ENV = [  # variables read outside StoreConfig's fields: by load_config, th
                                              "`key_id:ed25519-public:HEX` (for every space; first before the file's)"),
     ("SCD_STORE_DECODE_MATMUL", "the SCD codec", "`float32` or `bfloat16`: the SCD decode's products where "
                                                  "`ScdCodec(matmul=\"auto\")` (the default) would choose (bf16 on "
-                                                 "CPUs with AMX tiles, fp32 elsewhere; docs/scd.md)"),
+                                                 "CPUs with AMX tiles or AVX512-BF16, fp32 elsewhere; docs/scd.md)"),
     ("SCD_STORE_GLIBC_MMAP", "the `scd-store` CLI", "true (`1`, `yes`, `on`) keeps glibc's mmap of large blocks in "
                                                     "the `scd-store` process; unset or false, it reuses freed blocks "
                                                     "(`mallopt(M_MMAP_MAX, 0)`, docs/scd.md); any other value is "

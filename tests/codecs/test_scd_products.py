@@ -6,7 +6,7 @@ import torch
 from scd_store.codecs import PayloadError
 from scd_store.codecs.registry import make_codec
 from scd_store.codecs.scd import codec as codec_module
-from scd_store.codecs.scd.codec import ScdCodec, matmul_dtype
+from scd_store.codecs.scd.codec import ScdCodec, cpu_has_bf16_products, matmul_dtype
 from scd_store.codecs.scd.decoder import PairDecoder, centred_codes, code_centres
 from tests.bundles import LAYOUT, correlated_state, tiny_space
 
@@ -67,7 +67,7 @@ def test_matmul_choice_is_validated_and_auto_follows_the_hardware(monkeypatch):
     with pytest.raises(ValueError, match="matmul"):
         ScdCodec(space, decoder, matmul="int8")
     monkeypatch.delenv("SCD_STORE_DECODE_MATMUL", raising=False)
-    expected = torch.bfloat16 if torch.cpu._is_amx_tile_supported() else torch.float32
+    expected = torch.bfloat16 if cpu_has_bf16_products() else torch.float32
     assert matmul_dtype("auto", "cpu") == expected
     assert matmul_dtype("float32", "cpu") == torch.float32
     monkeypatch.setenv("SCD_STORE_DECODE_MATMUL", "float32")
