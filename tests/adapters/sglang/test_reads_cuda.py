@@ -5,7 +5,7 @@ memory, equal the same decode without streams and match the CPU decode within th
 
 No SGLang here (so it runs on a GPU machine without it): the host pool is the stand-in of
 :mod:`tests.adapters.sglang.host_pool`. Bit-equality across devices is not asserted: the decode's matmuls sum
-in another order on CUDA (and the CPU's default product is bf16 on AMX machines, so fp32 is forced)."""
+in another order on CUDA (and the CPU's default product is bf16 on AMX and AVX512-BF16 machines, so fp32 is forced)."""
 
 from __future__ import annotations
 
