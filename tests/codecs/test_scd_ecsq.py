@@ -47,7 +47,7 @@ def test_both_payload_formats_decode_to_the_same_kv_and_range_coding_is_smaller(
 def test_the_folded_decode_is_the_mid_tread_reconstruction(device):
     space = tiny_ecsq_space(2.5, "planes-2")  # the fold is the format's business of neither: planes need no coder
     state = correlated_state(40, start=5, seed=2)  # past the sinks: every token coded
-    codec = ScdCodec(space, PairDecoder.identity(space, "c"))
+    codec = ScdCodec(space, PairDecoder.identity(space, "c"), matmul="float32")  # exact products: the fold's maths
     payload = codec.encode(state)
     codes = space.unpack(payload)
     features = torch.bmm(space.reconstruct(codes.codes).transpose(0, 1), space.basis.transpose(1, 2)).transpose(0, 1)
@@ -55,6 +55,10 @@ def test_the_folded_decode_is_the_mid_tread_reconstruction(device):
     out = codec.decode(payload, device=device).to("cpu")
     torch.testing.assert_close(out.keys, expected.keys, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(out.values, expected.values, atol=1e-4, rtol=1e-4)
+    # bf16 products (the default on CPUs with AMX or AVX512-BF16): bf16 rounding, far below the codes' own error
+    rounded = ScdCodec(space, PairDecoder.identity(space, "c"), matmul="bfloat16").decode(payload, device=device)
+    assert rel(rounded.keys.cpu(), expected.keys) < 0.01 and rel(rounded.values.cpu(), expected.values) < 0.01
+    assert rel(expected.keys, state.keys) > 10 * rel(rounded.keys.cpu(), expected.keys)
     keys, values = torch.empty_like(out.keys), torch.empty_like(out.values)
     codec.decode_into(payload, keys, values)
     torch.testing.assert_close(keys, out.keys.cpu(), atol=1e-5, rtol=1e-5)
