@@ -150,11 +150,11 @@ def run_quality(config: QualityConfig, progress: bool = True) -> QualityReport:
             codecs[name + NO_MAP] = ScdCodec(space, PairDecoder.identity(space, consumer.name))
     if config.anchor_map:
         mapped = load_scd_codec(Path(config.anchor_map), producer, consumer)
-        for anchor in [a for a in config.anchors() if a in codecs]:
-            codecs[anchor + MAP_SUFFIX] = MappedAnchor(codecs[anchor], mapped.decoder, mapped.space.layout,
-                                                       mapped.space.sink_tokens)
-            methods.append(anchor + MAP_SUFFIX)
-            scores[anchor + MAP_SUFFIX] = ContinuationScore()
+        for name in config.mapped_anchor_names():
+            anchor = codecs[name.removesuffix(MAP_SUFFIX)]
+            codecs[name] = MappedAnchor(anchor, mapped.decoder, mapped.space.layout, mapped.space.sink_tokens)
+            methods.append(name)
+            scores[name] = ContinuationScore()
     residual_layers: list[int] = []
     hidden_layers = sorted({layer for name in config.scd_method_names() for layer in codecs[name].space.patch_layers})
     if DROIDSPEAK in base_methods:
