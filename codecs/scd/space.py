@@ -69,6 +69,11 @@ def _entropy_section(coder: CodeTables, tensors: dict[str, torch.Tensor], coded:
     return out.to(device)
 
 
+def sink_count(sink_tokens: int, start: int, tokens: int) -> int:
+    """How many of ``tokens`` tokens from absolute position ``start`` are sinks (positions < ``sink_tokens``)."""
+    return max(0, min(sink_tokens - start, tokens))
+
+
 def key_weights(groups: int, width: int, key_weight: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The allocator's distortion weight per component ``[groups, width]``: ``key_weight`` on the key groups
     (even), 1 on the value groups."""
@@ -278,7 +283,7 @@ class CodeSpace:
     def encode(self, state: KVState) -> bytes:
         """Serialise ``state`` (the producer's prefix KV at its absolute positions)."""
         self.check_state(state)
-        sinks = max(0, min(self.sink_tokens - state.start, state.num_tokens))
+        sinks = sink_count(self.sink_tokens, state.start, state.num_tokens)
         tensors: dict[str, torch.Tensor] = {}
         if sinks:
             tensors["sink_keys"] = state.keys[:, :, :sinks].half()
@@ -324,7 +329,7 @@ class CodeSpace:
         except (KeyError, TypeError) as exc:
             raise PayloadError(f"scd payload is inconsistent: {exc!r:.120}") from None
         check_tokens(tokens, expect_tokens)
-        if start < 0 or tokens < sinks or sinks != max(0, min(self.sink_tokens - start, tokens)):
+        if start < 0 or tokens < sinks or sinks != sink_count(self.sink_tokens, start, tokens):
             raise PayloadError("payload token counts are inconsistent")
         if start + tokens > self.max_positions:
             raise PayloadError(f"payload reaches position {start + tokens}, past this process's bound "

@@ -15,6 +15,7 @@ from scd_store.codecs.base import Codec
 from scd_store.codecs.kv_state import KVState
 from scd_store.codecs.scd.decoder import PairDecoder, apply_map
 from scd_store.codecs.scd.layout import KVLayout, from_features, to_features
+from scd_store.codecs.scd.space import sink_count
 
 SUFFIX = "+map"  # an anchor method's name with a bundle's map after it
 
@@ -37,7 +38,7 @@ class MappedAnchor(Codec):
     def decode(self, payload: bytes | torch.Tensor, *, device="cpu", dtype=torch.float32,
                expect_tokens: int | None = None) -> KVState:
         state = self.anchor.decode(payload, device=device, dtype=torch.float32, expect_tokens=expect_tokens)
-        kept = max(0, min(state.num_tokens, self.sink_tokens - state.start))
+        kept = sink_count(self.sink_tokens, state.start, state.num_tokens)
         if kept == state.num_tokens:
             return state.to(dtype=dtype)
         mapped = KVState(state.keys[:, :, kept:], state.values[:, :, kept:], start=state.start + kept)
