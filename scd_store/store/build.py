@@ -25,8 +25,10 @@ from scd_store.store.tiers.base import Tier
 log = logging.getLogger("scd_store.store")
 
 
-def build_tier(cfg: TierConfig) -> Tier | None:
-    """One tier from its config; None for a GPU tier without CUDA (logged)."""
+def build_tier(cfg: TierConfig, store_timeout_s: float | None = None) -> Tier | None:
+    """One tier from its config; None for a GPU tier without CUDA (logged). A Redis tier's socket timeout
+    is its deadline per operation (the tier's ``op_timeout_s``, else ``store_timeout_s``, else 2 s), so a
+    longer deadline is not cut short by the client."""
     if cfg.kind == "cpu":
         from scd_store.store.tiers.cpu import CpuTier
 
@@ -47,8 +49,10 @@ def build_tier(cfg: TierConfig) -> Tier | None:
     if cfg.kind == "redis":
         from scd_store.store.tiers.redis_tier import RedisTier
 
+        deadline = cfg.op_timeout_s if cfg.op_timeout_s is not None else store_timeout_s
+        socket = {"socket_timeout": float(deadline)} if deadline is not None else {}
         return RedisTier(str(cfg.url), ttl_s=cfg.ttl_s, max_value_bytes=int(cfg.max_value_bytes),
-                         server_maxmemory=int(cfg.max_bytes) if cfg.apply_server_maxmemory else None)
+                         server_maxmemory=int(cfg.max_bytes) if cfg.apply_server_maxmemory else None, **socket)
     import torch
 
     if not torch.cuda.is_available():
@@ -123,7 +127,7 @@ def open_store(config: StoreConfig | None = None, *, registry: Registry | None =
     """The store described by ``config`` (default: :func:`load_config`, i.e. CPU + local disk); with
     ``share_stats=False`` this process's counters stay out of the deployment's (a reading tool)."""
     config = config if config is not None else load_config()
-    built = [(cfg, build_tier(cfg)) for cfg in config.tiers]
+    built = [(cfg, build_tier(cfg, config.op_timeout_s)) for cfg in config.tiers]
     pairs = [(cfg, tier) for cfg, tier in built if tier is not None]
     stats = stats if stats is not None else StoreStats()
     if config.metrics_port is not None:

@@ -64,8 +64,8 @@ TIER_DOCS = {
     "rescan_s": "disk tier: rebuild the index from the directory this often, so what other processes on the "
                 "host wrote is counted and the byte bound holds across them (null: only at start)",
     "queue_size": "write-behind queue length of this tier (lower tiers)",
-    "op_timeout_s": "this tier's own deadline per operation (default: the store's `op_timeout_s`); a peer "
-                    "tier's NIXL reads wait this long too (default 1 s)",
+    "op_timeout_s": "this tier's own deadline per operation (default: the store's `op_timeout_s`); a Redis "
+                    "tier's socket timeout and a peer tier's NIXL reads (default 1 s) wait this long too",
     "writers": "background writers draining this tier's queue",
 }
 OTHER_ENV = [  # variables read outside StoreConfig's fields: by load_config, the keyring, codecs, adapters, tools

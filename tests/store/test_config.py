@@ -123,6 +123,17 @@ def test_open_store_hands_the_config_down(tmp_path, monkeypatch) -> None:
     assert (seen["op_timeout_s"], seen["queue_size"], seen["writers"]) == (1.5, [256], [2])
 
 
+def test_a_redis_tiers_socket_timeout_is_its_deadline() -> None:
+    """A longer op_timeout_s (the tier's, else the store's) is not cut short by the client's 2 s socket timeout:
+    a busy host's slow reply would be a miss before the deadline it was given."""
+    from scd_store.store.build import build_tier
+
+    url = "redis://127.0.0.1:1/0"
+    assert build_tier(TierConfig("redis", url=url))._timeouts[0] == 2.0
+    assert build_tier(TierConfig("redis", url=url), store_timeout_s=30.0)._timeouts[0] == 30.0
+    assert build_tier(TierConfig("redis", url=url, op_timeout_s=7.0), store_timeout_s=30.0)._timeouts[0] == 7.0
+
+
 @pytest.mark.parametrize("text, value", [("on", True), ("1", True), ("No", False), ("false", False)])
 def test_boolean_variables_follow_the_one_rule(text, value) -> None:
     assert load_config(env={"SCD_STORE_TIERS": "cpu", "SCD_STORE_ALLOW_UNSIGNED": text}).allow_unsigned is value
