@@ -77,7 +77,7 @@ def plot_pareto(reports: list[dict], path: Path) -> Path:
                 ax.step([r for r, _ in line], [scale * v for _, v in line], where="post", color="grey",
                         linewidth=0.8, linestyle="--")
             ax.set_xscale("log")
-            ax.set_xticks([t for t in X_TICKS if t <= 1.0])
+            ax.set_xticks(X_TICKS)
             ax.xaxis.set_major_formatter(PercentFormatter(1.0, decimals=1))
             ax.xaxis.set_minor_formatter(NullFormatter())
             if lower:  # orders of magnitude apart (a 1-bit quantiser next to near-lossless codes): log-like
