@@ -15,10 +15,10 @@ def signing_keys(tmp_path_factory):
     """Every process these tests start signs and verifies with one private key file (``SCD_STORE_SIGNING_KEYS``,
     inherited by engine processes): a tier shared between processes requires signed blobs. Tests of the roles
     (a reader holding only the public key, the host keyring) set their own."""
-    from scd_store.store.signing import SigningKey, write_key_file
+    from scd_store.store.signing import ALL_SPACES, SigningKey, write_key_file
 
     root = tmp_path_factory.mktemp("signing-keys")
-    key = SigningKey.generate("integration")
+    key = SigningKey.generate("integration", spaces=(ALL_SPACES,))
     write_key_file(root / "private.keys", [key.line()], private=True)
     assert key.public is not None
     write_key_file(root / "public.keys", [key.public.line()], private=False)

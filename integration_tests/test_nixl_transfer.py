@@ -121,8 +121,8 @@ def test_a_peer_tier_refuses_a_swapped_agent_before_connecting(tmp_path, signing
     import asyncio
     from collections import Counter
 
+    from scd_store.store.keyring import Keyring
     from scd_store.store.keys import chunk_hashes, generation_of, hash_keys
-    from scd_store.store.signing import Keyring
     from scd_store.store.tiers.peer import PeerTier
     from scd_store.store.transfer import SourceInfo
     from scd_store.store.transfer.directory import FilePeerDirectory

@@ -15,10 +15,11 @@ from redis.exceptions import NoPermissionError
 from integration_tests.redis_servers import RedisServer
 from scd_store.service import KVService, ServiceError
 from scd_store.service.bundles import register_bundle
+from scd_store.store.keyring import Keyring
 from scd_store.store.keys import generation_of, make_key
 from scd_store.store.redis_acl import acl_setuser
 from scd_store.store.registry import RedisRegistry
-from scd_store.store.signing import Keyring, SigningKey, write_key_file
+from scd_store.store.signing import ALL_SPACES, SigningKey, write_key_file
 from scd_store.store.tiered import TieredStore
 from scd_store.store.tiers.cpu import CpuTier
 from scd_store.store.tiers.redis_tier import RedisTier
@@ -44,7 +45,7 @@ def chunks(count: int = 3, size: int = 8):
 def deployment(tmp_path):
     bundle = tmp_path / "bundle"
     write_tiny_bundle(bundle, consumers=("consumer-a",))
-    key = SigningKey.generate("k1")
+    key = SigningKey.generate("k1", spaces=(ALL_SPACES,))
     assert key.public is not None
     write_key_file(tmp_path / "private.keys", [key.line()], private=True)  # the producer's
     write_key_file(tmp_path / "public.keys", [key.public.line()], private=False)  # the consumer's

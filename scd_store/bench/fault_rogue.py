@@ -66,8 +66,8 @@ class Rogue:
 
         public = parse_key_file(Path(self.spec["keyring"]).read_text(), "keyring")[0]
         assert isinstance(public, VerifyKey), "a consumer holds public keys only"
-        own = SigningKey.generate(public.key_id)  # the real key id, a key of its own
-        seeded = SigningKey(public.key_id, public.public)  # all it knows of the producer's key
+        own = SigningKey.generate(public.key_id, spaces=public.spaces)  # the real key id, a key of its own
+        seeded = SigningKey(public.key_id, public.public, spaces=public.spaces)  # all it knows of the producer's key
         meta = BlobMeta("raw", FINGERPRINT, CHUNK)
         return [encode_blob(meta, b"rogue kv" * 64, key=key, signer=signer) for signer in (own, seeded)]
 

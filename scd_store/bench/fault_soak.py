@@ -185,9 +185,9 @@ def _spawn(spec: dict[str, Any]) -> subprocess.Popen[bytes]:
 
 def run_fault_soak(config: FaultSoakConfig) -> dict[str, Any]:
     from scd_store.store.host_keys import deployment_keys
+    from scd_store.store.keyring import Keyring
     from scd_store.store.records import Pair, Space
     from scd_store.store.registry import RedisRegistry
-    from scd_store.store.signing import Keyring
 
     rng = random.Random(config.seed)
     with tempfile.TemporaryDirectory(prefix="scd-soak-") as tmp:

@@ -31,8 +31,8 @@ from scd_store.bench.fault_space import (
 
 
 def _store(spec: dict[str, Any]):  # noqa: ANN202 - a TieredStore
+    from scd_store.store.keyring import Keyring
     from scd_store.store.registry import RedisRegistry
-    from scd_store.store.signing import Keyring
     from scd_store.store.tiered import TieredStore
     from scd_store.store.tiers.cpu import CpuTier
     from scd_store.store.tiers.disk import DiskTier

@@ -36,8 +36,9 @@ import xxhash
 
 from scd_store.errors import ScdStoreError
 from scd_store.store import strict_json
+from scd_store.store.keyring import Keyring
 from scd_store.store.keys import KEY_FORMAT
-from scd_store.store.signing import SIGNATURE_SIZE, Keyring, SigningKey, VerifyKey
+from scd_store.store.signing import SIGNATURE_SIZE, SigningKey, VerifyKey
 
 MAGIC = b"SCDB"
 FORMAT_VERSION = KEY_FORMAT

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from scd_store.store.config import ConfigError, StoreConfig, TierConfig, load_config
 from scd_store.store.host_keys import host_keyring
+from scd_store.store.keyring import Keyring
 from scd_store.store.registry import FileRegistry, RedisRegistry, Registry
-from scd_store.store.signing import Keyring
 from scd_store.store.stats import StoreStats
 from scd_store.store.stats_sinks import NoSink, RedisStatsMirror, SnapshotFiles, StatsSink
 from scd_store.store.tiered import TieredStore

@@ -74,8 +74,9 @@ OTHER_ENV = [  # variables read outside StoreConfig's fields: by load_config, th
                                          "(a kind the YAML lacks gets its defaults; `redis` the URL above)"),
     ("SCD_STORE_HOME", "`scd_store.paths`", "the data directory (models, bundles, the embedded store, the registry "
                                             "and stats without Redis, the host keyring); default `~/.cache/scd-store`"),
-    ("SCD_STORE_SIGNING_KEY", "the keyring", "one key inline, `key_id:ed25519-private:HEX` or "
-                                             "`key_id:ed25519-public:HEX` (for every space; first before the file's)"),
+    ("SCD_STORE_SIGNING_KEY", "the keyring", "one key inline, `key_id:ed25519-private:HEX spaces=SPACE` or "
+                                             "`key_id:ed25519-public:HEX spaces=SPACE` (`spaces=*`: every space; "
+                                             "a key naming no space is refused; first before the file's)"),
     ("SCD_STORE_DECODE_MATMUL", "the SCD codec", "`float32` or `bfloat16`: the SCD decode's products where "
                                                  "`ScdCodec(matmul=\"auto\")` (the default) would choose (bf16 on "
                                                  "CPUs with AMX tiles or AVX512-BF16, fp32 elsewhere; docs/scd.md)"),

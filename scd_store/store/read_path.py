@@ -29,10 +29,10 @@ from typing import Any
 
 from scd_store.store.blob import BlobError, BlobMeta, ForeignBlob, SignatureError, UnknownKey
 from scd_store.store.guard import TierGuard
+from scd_store.store.keyring import Keyring
 from scd_store.store.loop import LoopThread
 from scd_store.store.records import Space
 from scd_store.store.results import CodeChunk, Payload, PrefixHit
-from scd_store.store.signing import Keyring
 from scd_store.store.stats import StoreStats
 from scd_store.store.tiers.base import LocalTier, Tier
 from scd_store.store.tiers.gpu import DeviceBlob, GpuTier

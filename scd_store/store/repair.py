@@ -18,9 +18,9 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 
 from scd_store.store.guard import TierGuard
+from scd_store.store.keyring import Keyring
 from scd_store.store.keys import KeyError_, parse_key
 from scd_store.store.records import Space
-from scd_store.store.signing import Keyring
 from scd_store.store.stats import StoreStats
 from scd_store.store.tiers.base import Tier
 from scd_store.store.verify import blob_state

@@ -1,52 +1,53 @@
 """Per-space Ed25519 keys: producers sign every blob with a private key, readers verify with public keys.
 
-A reader holds only public keys, so no reader can sign a blob any other process accepts. A keyring
-comes from a path (``signing_keys`` in the store config, ``SCD_STORE_SIGNING_KEYS``) and/or one
-inline key (``SCD_STORE_SIGNING_KEY=key_id:ed25519-private:HEX``); never from a bundle. The path is
-a key file used for every space, or a directory of ``<space_id>.keys`` files with an optional
-``default.keys`` for the others. A key file holds lines ``key_id ed25519-private:HEX [until=TIME]``
-(producers) or ``key_id ed25519-public:HEX [until=TIME]`` (readers); ``#`` starts a comment. The
-first valid private line signs; every valid line verifies (a private line by its public half); a
-line past its ``until`` (unix seconds or ISO-8601 UTC) no longer verifies. ``scd-store keys new``
-makes a pair. Rotation: add the new public line everywhere, then the new private line first on
-producers, then give the old lines an ``until`` (or remove them) once blobs they signed expired.
+A reader holds only public keys, so no reader can sign a blob any other process accepts. Every key is
+made for the spaces it names (``spaces=SPACE[,SPACE...]``, or ``spaces=*`` for every space, made only on
+request): a key signs and verifies blobs of those spaces only, so the producer of one space cannot sign
+another's. A key file holds lines ``key_id ed25519-private:HEX [spaces=...] [until=TIME]`` (producers) or
+``key_id ed25519-public:HEX [spaces=...] [until=TIME]`` (readers); ``#`` starts a comment. The first valid
+private line signs; every valid line verifies (a private line by its public half); a line past its
+``until`` (unix seconds or ISO-8601 UTC) no longer verifies. ``scd-store keys new`` makes a pair.
+Which file holds which space's keys, and how files are re-read, is :mod:`scd_store.store.keyring`'s.
 
-Files are re-read when they change (checked every ``reload_s``): a file that no longer parses keeps
-the keys read before (logged and counted: ``on_error``); a key file or directory that is gone takes
-its keys with it (fails closed: nothing signs or verifies until it is back).
+``cryptography`` is imported only when a key is made, a private key is read, or a signature is checked:
+a process that never signs nor verifies (a tool reading framing only) runs without it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 import os
 import re
 import stat
-import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
-
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+from typing import Any
 
 from scd_store.errors import ScdStoreError
 from scd_store.store.fs_safety import UnsafePath, check_owner_only
+from scd_store.store.keys import KeyError_, validate_space_id
 
 SIGNATURE_SIZE = 64  # Ed25519
 KEY_BYTES = 32
-DEFAULT_FILE = "default.keys"
+ALL_SPACES = "*"
 PRIVATE, PUBLIC = "ed25519-private:", "ed25519-public:"
 _KEY_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-log = logging.getLogger("scd_store.store")
+MAX_KEY_FILE_BYTES = 64 << 10
 
 
 class KeyringError(ScdStoreError, ValueError):
-    """An unreadable or malformed key file."""
+    """An unreadable or malformed key file, or a key used outside the spaces it was made for."""
+
+
+def _ed25519() -> Any:
+    """cryptography's Ed25519 module, imported on first use (a clear error when it is not installed)."""
+    try:
+        from cryptography.hazmat.primitives.asymmetric import ed25519
+    except ImportError as exc:  # pragma: no cover - exercised by the device check's package set
+        raise KeyringError("signed codes need the 'cryptography' package (pip install cryptography)") from exc
+    return ed25519
 
 
 def _check_id(key_id: str) -> None:
@@ -60,83 +61,128 @@ def _check_until(until: float | None) -> None:
         raise KeyringError(f"until={until!r}: a key's end of validity is a finite time after 1970")
 
 
+def check_spaces(spaces: tuple[str, ...]) -> tuple[str, ...]:
+    """``spaces`` if each is a valid space id, or they are ``("*",)`` (every space); () means none named yet."""
+    if not isinstance(spaces, tuple):
+        raise KeyringError(f"spaces must be a tuple of space ids, got {spaces!r}")
+    if ALL_SPACES in spaces and spaces != (ALL_SPACES,):
+        raise KeyringError("spaces=* (every space) stands alone")
+    for space in spaces:
+        if space != ALL_SPACES:
+            try:
+                validate_space_id(space)
+            except KeyError_ as exc:
+                raise KeyringError(str(exc)) from None
+    if len(set(spaces)) != len(spaces):
+        raise KeyringError(f"spaces={','.join(spaces)} names a space twice")
+    return spaces
+
+
 @dataclass(frozen=True, slots=True)
 class VerifyKey:
-    """A public key: its id (carried in every blob it verifies), 32 bytes, end of validity (None: none)."""
+    """A public key: its id (carried in every blob it verifies), 32 bytes, end of validity (None: none) and the
+    spaces it verifies (``("*",)``: every space; (): none yet, see :mod:`scd_store.store.keyring`)."""
 
     key_id: str
     public: bytes
     until: float | None = None
-    _key: Ed25519PublicKey | None = field(default=None, repr=False, compare=False)
+    spaces: tuple[str, ...] = ()
+    _key: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _check_id(self.key_id)
         _check_until(self.until)
+        check_spaces(self.spaces)
         if len(self.public) != KEY_BYTES:
             raise KeyringError(f"key {self.key_id!r}: an Ed25519 public key is {KEY_BYTES} bytes")
-        object.__setattr__(self, "_key", Ed25519PublicKey.from_public_bytes(self.public))
 
     def valid(self, now: float) -> bool:
         return self.until is None or now < self.until
 
+    def covers(self, space_id: str) -> bool:
+        """Whether this key was made for ``space_id``."""
+        return ALL_SPACES in self.spaces or space_id in self.spaces
+
     def verify(self, message: bytes, signature: bytes | memoryview) -> bool:
         """Whether ``signature`` is this key's over ``message``."""
-        assert self._key is not None
+        from cryptography.exceptions import InvalidSignature
+
+        key = self._key
+        if key is None:
+            key = _ed25519().Ed25519PublicKey.from_public_bytes(self.public)
+            object.__setattr__(self, "_key", key)
         try:
-            self._key.verify(bytes(signature), message)
+            key.verify(bytes(signature), message)
         except InvalidSignature:
             return False
         return True
 
+    def scoped(self, spaces: tuple[str, ...]) -> VerifyKey:
+        """This key for ``spaces``."""
+        return replace(self, spaces=spaces, _key=None)
+
     def line(self) -> str:
         """This key as a key file line."""
-        return _line(self.key_id, PUBLIC + self.public.hex(), self.until)
+        return _line(self.key_id, PUBLIC + self.public.hex(), self.spaces, self.until)
 
 
 @dataclass(frozen=True, slots=True)
 class SigningKey:
-    """A private key (the 32-byte seed) of a producer; :attr:`public` is what readers hold."""
+    """A private key (the 32-byte seed) of a producer, for ``spaces``; :attr:`public` is what readers hold."""
 
     key_id: str
     private: bytes
     until: float | None = None
-    _key: Ed25519PrivateKey | None = field(default=None, repr=False, compare=False)
+    spaces: tuple[str, ...] = ()
+    _key: Any = field(default=None, repr=False, compare=False)
     public: VerifyKey | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _check_id(self.key_id)
         _check_until(self.until)
+        check_spaces(self.spaces)
         if len(self.private) != KEY_BYTES:
             raise KeyringError(f"key {self.key_id!r}: an Ed25519 private key is {KEY_BYTES} bytes")
-        key = Ed25519PrivateKey.from_private_bytes(self.private)
+        from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+        key = _ed25519().Ed25519PrivateKey.from_private_bytes(self.private)
         raw = key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
         object.__setattr__(self, "_key", key)
-        object.__setattr__(self, "public", VerifyKey(self.key_id, raw, self.until))
+        object.__setattr__(self, "public", VerifyKey(self.key_id, raw, self.until, self.spaces))
 
     @classmethod
-    def generate(cls, key_id: str, until: float | None = None) -> SigningKey:
-        return cls(key_id, os.urandom(KEY_BYTES), until)
+    def generate(cls, key_id: str, *, spaces: tuple[str, ...], until: float | None = None) -> SigningKey:
+        """A new key for ``spaces`` (``("*",)`` for every space: only where one signer serves them all)."""
+        return cls(key_id, os.urandom(KEY_BYTES), until, spaces)
 
     def valid(self, now: float) -> bool:
         return self.until is None or now < self.until
 
+    def covers(self, space_id: str) -> bool:
+        """Whether this key was made for ``space_id``."""
+        return ALL_SPACES in self.spaces or space_id in self.spaces
+
     def sign(self, message: bytes) -> bytes:
-        assert self._key is not None
         return self._key.sign(message)
+
+    def scoped(self, spaces: tuple[str, ...]) -> SigningKey:
+        """This key for ``spaces``."""
+        return SigningKey(self.key_id, self.private, self.until, spaces)
 
     def line(self) -> str:
         """This key as a (private) key file line."""
-        return _line(self.key_id, PRIVATE + self.private.hex(), self.until)
+        return _line(self.key_id, PRIVATE + self.private.hex(), self.spaces, self.until)
 
 
 Key = SigningKey | VerifyKey
 
 
-def _line(key_id: str, material: str, until: float | None) -> str:
-    return f"{key_id} {material}" + (f" until={until:.0f}" if until is not None else "")
+def _line(key_id: str, material: str, spaces: tuple[str, ...], until: float | None) -> str:
+    scope = f" spaces={','.join(spaces)}" if spaces else ""
+    return f"{key_id} {material}{scope}" + (f" until={until:.0f}" if until is not None else "")
 
 
-def _material(text: str, key_id: str, until: float | None, where: str) -> Key:
+def _material(text: str, key_id: str, until: float | None, spaces: tuple[str, ...], where: str) -> Key:
     kind = PRIVATE if text.startswith(PRIVATE) else PUBLIC if text.startswith(PUBLIC) else None
     if kind is None:
         raise KeyringError(f"{where}: expected {PRIVATE}HEX or {PUBLIC}HEX (HMAC secrets are no longer accepted: "
@@ -145,7 +191,7 @@ def _material(text: str, key_id: str, until: float | None, where: str) -> Key:
         raw = bytes.fromhex(text[len(kind):])
     except ValueError:
         raise KeyringError(f"{where}: the key is not hex") from None
-    return SigningKey(key_id, raw, until) if kind == PRIVATE else VerifyKey(key_id, raw, until)
+    return SigningKey(key_id, raw, until, spaces) if kind == PRIVATE else VerifyKey(key_id, raw, until, spaces)
 
 
 def parse_until(text: str, where: str) -> float:
@@ -162,19 +208,45 @@ def parse_until(text: str, where: str) -> float:
     return value
 
 
+def parse_spaces(text: str, where: str) -> tuple[str, ...]:
+    """``a,b`` or ``*`` (a ``spaces=`` value) as a tuple of space ids."""
+    spaces = tuple(part for part in text.split(",") if part)
+    if not spaces:
+        raise KeyringError(f"{where}: spaces= names no space (give SPACE[,SPACE...] or *)")
+    try:
+        return check_spaces(spaces)
+    except KeyringError as exc:
+        raise KeyringError(f"{where}: {exc}") from None
+
+
+def _options(words: list[str], where: str) -> tuple[tuple[str, ...], float | None]:
+    """The ``spaces=`` and ``until=`` options of a key line (each at most once, nothing else)."""
+    seen: dict[str, str] = {}
+    for word in words:
+        name, sep, value = word.partition("=")
+        if not sep or name not in ("spaces", "until") or name in seen:
+            raise KeyringError(f"{where}: expected 'key_id {PRIVATE}HEX|{PUBLIC}HEX [spaces=SPACE,...|*] "
+                               f"[until=TIME]', got {word!r}")
+        seen[name] = value
+    spaces = parse_spaces(seen["spaces"], where) if "spaces" in seen else ()
+    until = parse_until(seen["until"], where) if "until" in seen else None
+    return spaces, until
+
+
 def parse_key_file(text: str, where: str) -> tuple[Key, ...]:
-    """The keys of one key file, in order (the first private one signs)."""
+    """The keys of one key file, in order (the first private one signs), each with the spaces its line names
+    (possibly none: which a file may leave unnamed is the keyring's rule)."""
     keys: list[Key] = []
     for n, line in enumerate(text.splitlines(), 1):
-        fields = line.split("#", 1)[0].split()
-        if not fields:
+        words = line.split("#", 1)[0].split()
+        if not words:
             continue
         at = f"{where}:{n}"
-        if len(fields) not in (2, 3) or (len(fields) == 3 and not fields[2].startswith("until=")):
-            raise KeyringError(f"{at}: expected 'key_id {PRIVATE}HEX|{PUBLIC}HEX [until=TIME]'")
-        until = parse_until(fields[2][6:], at) if len(fields) == 3 else None
+        if len(words) < 2:
+            raise KeyringError(f"{at}: expected 'key_id {PRIVATE}HEX|{PUBLIC}HEX [spaces=...] [until=TIME]'")
+        spaces, until = _options(words[2:], at)
         try:
-            keys.append(_material(fields[1], fields[0], until, at))
+            keys.append(_material(words[1], words[0], until, spaces, at))
         except KeyringError as exc:
             raise KeyringError(str(exc) if str(exc).startswith(at) else f"{at}: {exc}") from None
     if len({k.key_id for k in keys}) != len(keys):
@@ -183,138 +255,20 @@ def parse_key_file(text: str, where: str) -> tuple[Key, ...]:
 
 
 def parse_inline_key(text: str) -> Key:
-    """``key_id:ed25519-private:HEX`` or ``key_id:ed25519-public:HEX`` (``SCD_STORE_SIGNING_KEY``)."""
-    key_id, sep, material = text.strip().partition(":")
+    """``key_id:ed25519-private:HEX spaces=...`` or ``key_id:ed25519-public:HEX spaces=...``
+    (``SCD_STORE_SIGNING_KEY``)."""
+    head, *options = text.split()
+    key_id, sep, material = head.partition(":")
     if not sep:
-        raise KeyringError(f"SCD_STORE_SIGNING_KEY must be 'key_id:{PRIVATE}HEX' or 'key_id:{PUBLIC}HEX'")
-    return _material(material.strip(), key_id.strip(), None, "SCD_STORE_SIGNING_KEY")
+        raise KeyringError(f"SCD_STORE_SIGNING_KEY must be 'key_id:{PRIVATE}HEX spaces=SPACE' or "
+                           f"'key_id:{PUBLIC}HEX spaces=SPACE'")
+    spaces, until = _options(options, "SCD_STORE_SIGNING_KEY")
+    return _material(material.strip(), key_id.strip(), until, spaces, "SCD_STORE_SIGNING_KEY")
 
 
-class Keyring:
-    """The keys of this process, by space (``None``: every space without its own file).
-
-    ``on_error(message)`` is called for each failed reload (a file that does not parse, or is gone)."""
-
-    def __init__(self, path: str | os.PathLike[str] | None = None, inline: Key | None = None, *,
-                 reload_s: float = 5.0, on_error: Callable[[str], None] | None = None) -> None:
-        self.path = Path(path) if path is not None else None
-        self.inline = inline
-        self.reload_s = reload_s
-        self.on_error = on_error
-        self._keys: dict[str | None, tuple[Key, ...]] = {}
-        self._stamp: tuple = ()
-        self._failed_stamp: tuple | None = None
-        self._checked = time.monotonic()
-        if self.path is not None and not self.path.exists():
-            raise KeyringError(f"signing_keys {self.path} does not exist")
-        self._keys, self._stamp = self._read()
-
-    @classmethod
-    def from_env(cls, path: str | None, env: Mapping[str, str]) -> Keyring | None:
-        """The keyring the config's ``signing_keys`` and ``SCD_STORE_SIGNING_KEY(S)`` name, or None."""
-        path = env.get("SCD_STORE_SIGNING_KEYS") or path
-        inline = env.get("SCD_STORE_SIGNING_KEY")
-        if not path and not inline:
-            return None
-        return cls(path or None, parse_inline_key(inline) if inline else None)
-
-    @property
-    def can_sign(self) -> bool:
-        """Whether this keyring holds any private key (a producer's); readers hold public keys only."""
-        return any(isinstance(k, SigningKey) for keys in self._keys.values() for k in keys)
-
-    def _files(self) -> list[Path]:
-        if self.path is None:
-            return []
-        if self.path.is_dir():
-            try:
-                check_owner_only(self.path, os.stat(self.path), "the key directory")
-            except UnsafePath as exc:
-                raise KeyringError(str(exc)) from None
-            return sorted(self.path.glob("*.keys"))
-        if not self.path.exists():
-            raise FileNotFoundError(f"signing_keys {self.path} is gone")
-        return [self.path]
-
-    def _stamp_of(self, files: list[Path]) -> tuple:
-        return tuple((str(f), st.st_mtime_ns, st.st_size, st.st_ino) for f in files for st in [os.lstat(f)])
-
-    def _read(self) -> tuple[dict[str | None, tuple[Key, ...]], tuple]:
-        files = self._files()
-        stamp = self._stamp_of(files)
-        keys: dict[str | None, tuple[Key, ...]] = {}
-        for f in files:
-            scope = None if (self.path is None or not self.path.is_dir() or f.name == DEFAULT_FILE) \
-                else f.name[:-len(".keys")]
-            keys[scope] = parse_key_file(read_key_file(f), str(f))
-        gone = [scope for scope in self._keys if scope is not None and scope not in keys]
-        for scope in gone:  # a space's own file removed: its keys end, never the default's in their place
-            keys[scope] = ()
-        if self.inline is not None:
-            keys[None] = (self.inline, *keys.get(None, ()))
-        if gone:
-            self._fail(stamp, f"the key files of spaces {sorted(gone)} are gone: their blobs no longer sign or "
-                       "verify (restart to let default.keys serve them)", drop=False)
-        return keys, stamp
-
-    def reload(self) -> None:
-        """Re-read the key files if they changed: a file that does not parse keeps the keys read before, a
-        path that is gone drops them (both logged and reported to ``on_error``)."""
-        if self.path is None:
-            return
-        stamp: tuple = ("unreadable",)
-        try:
-            files = self._files()
-            stamp = self._stamp_of(files)
-            if stamp == self._stamp:
-                return
-            failed = self._failed_stamp
-            self._keys, self._stamp = self._read()
-            if self._failed_stamp is failed:
-                self._failed_stamp = None
-        except FileNotFoundError as exc:
-            self._fail(("gone",), f"{exc}: its keys no longer sign or verify", drop=True)
-        except Exception as exc:  # noqa: BLE001 - any failure keeps the keys read before (logged, counted)
-            self._fail(stamp, f"reloading signing keys failed, keeping the keys read before: {exc}", drop=False)
-
-    def _fail(self, stamp: tuple, message: str, *, drop: bool) -> None:
-        if drop:
-            self._keys = {None: (self.inline,)} if self.inline is not None else {}
-            self._stamp = ()
-        if stamp != self._failed_stamp:  # once per state of the files
-            self._failed_stamp = stamp
-            log.warning("scd-store: %s", message)
-            if self.on_error is not None:
-                self.on_error(message)
-
-    def _current(self, space_id: str) -> tuple[Key, ...]:
-        now = time.monotonic()
-        if self.path is not None and now - self._checked >= self.reload_s:
-            self._checked = now
-            self.reload()
-        keys = self._keys.get(space_id)
-        return keys if keys is not None else self._keys.get(None, ())
-
-    def signer(self, space_id: str) -> SigningKey | None:
-        """The private key that signs ``space_id``'s blobs now (None: this keyring holds none for it)."""
-        now = time.time()
-        return next((k for k in self._current(space_id) if isinstance(k, SigningKey) and k.valid(now)), None)
-
-    def verifier(self, space_id: str, key_id: str) -> VerifyKey | None:
-        """The still valid public key ``key_id`` of ``space_id``, or None."""
-        now = time.time()
-        for k in self._current(space_id):
-            if k.key_id == key_id and k.valid(now):
-                return k.public if isinstance(k, SigningKey) else k
-        return None
-
-
-MAX_KEY_FILE_BYTES = 64 << 10
-
-
-def read_key_file(path: Path) -> str:
-    """A key file's text: a regular file (never a link, FIFO or device), at most 64 KiB, that other users cannot
-    write (nor read, when it holds private keys)."""
+def read_key_file(path: Path) -> tuple[str, os.stat_result]:
+    """A key file's text and the status of what was read: a regular file (never a link, FIFO or device), at most
+    64 KiB, that other users cannot write (nor read, when it holds private keys)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
@@ -333,11 +287,12 @@ def read_key_file(path: Path) -> str:
             check_owner_only(path, st, "the private key file", unreadable=True)
     except (UnsafePath, UnicodeDecodeError) as exc:
         raise KeyringError(str(exc)) from None
-    return text
+    return text, st
 
 
 def write_key_file(path: Path, lines: list[str], *, private: bool, append: bool = False) -> None:
-    """Write (or, with ``append``, extend) a key file atomically; private files are created mode 0600."""
+    """Write (or, with ``append``, extend) a key file atomically (a new file renamed over the old one: readers
+    never see half of it); private files are created mode 0600."""
     old = path.read_text() if append and path.exists() else ""
     if not append and path.exists():
         raise KeyringError(f"{path} exists: pass --append to add a key to it (rotation)")

@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 
 from scd_store.store import defaults
 from scd_store.store.guard import TierGuard
+from scd_store.store.keyring import Keyring
 from scd_store.store.keys import space_of, validate_chunk_size
 from scd_store.store.loop import LoopThread
 from scd_store.store.read_path import ReadPath
@@ -32,7 +33,6 @@ from scd_store.store.records import Space
 from scd_store.store.registry import Registry
 from scd_store.store.registry_cache import RegistryCache
 from scd_store.store.repair import ProducerRepair
-from scd_store.store.signing import Keyring
 from scd_store.store.stats import StoreStats
 from scd_store.store.stats_flush import StatsFlusher
 from scd_store.store.stats_sinks import StatsSink
@@ -86,7 +86,7 @@ class TieredStore:
         for tier in self.tiers:
             tier.set_evict_listener(self._on_evict)
             tier.attach(keyring=keyring, count=lambda name, n, space="", t=tier.name:
-                        self.stats.inc(name, n, tier=t, space=space))
+                        self.stats.inc(name, n, tier=t, space=space), produces=self.produces)
         self.registry_cache = RegistryCache(registry, self.stats, registry_refresh_s)
         self.stats_flusher = StatsFlusher(stats_sink, self.stats, stats_flush_s)
         self.repairs = ProducerRepair(self.tiers, self.guard, self.stats, keyring, self.registry_cache.written)
@@ -157,6 +157,10 @@ class TieredStore:
     def flush_stats(self) -> None:
         """Hand the counters to the stats sink now (Redis or this process's snapshot file)."""
         self.stats_flusher.flush()
+
+    def produces(self, space_id: str) -> bool:
+        """Whether this store's producers were granted ``space_id`` (and still are): the only spaces it publishes."""
+        return any(space.space_id == space_id for space in self.registry_cache.written())
 
     # ----------------------------------------------------------------- faces
     def producer(self, space_id: str, producer_model_id: str, fingerprint: str) -> ProducerView:

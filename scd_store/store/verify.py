@@ -23,9 +23,9 @@ from scd_store.store.blob import (
     check_signer,
     decode_blob,
 )
+from scd_store.store.keyring import Keyring
 from scd_store.store.keys import KeyError_, generation_of, parse_key
 from scd_store.store.records import Space
-from scd_store.store.signing import Keyring
 
 BlobState = Literal["intact", "foreign", "unknown_key", "bad"]
 

@@ -10,10 +10,10 @@ from collections.abc import Sequence
 
 from scd_store.store.blob import BlobMeta, encode_blob
 from scd_store.store.guard import TierGuard
+from scd_store.store.keyring import Keyring
 from scd_store.store.log_once import Incidents
 from scd_store.store.loop import LoopThread
 from scd_store.store.records import Space
-from scd_store.store.signing import Keyring
 from scd_store.store.stats import StoreStats
 from scd_store.store.tiers.base import LocalTier, Tier
 from scd_store.store.write_behind import WriteBehind

@@ -4,18 +4,16 @@ the CUDA variants run where CUDA is present."""
 
 from __future__ import annotations
 
-import itertools
 import logging
-import os
-import time
 
 import pytest
 import torch
 
 from scd_store.store.blob import BlobError, BlobMeta, ForeignBlob, SignatureError, UnknownKey, encode_blob
+from scd_store.store.keyring import Keyring
 from scd_store.store.keys import generation_of, hash_keys
 from scd_store.store.records import Space
-from scd_store.store.signing import Keyring, SigningKey
+from scd_store.store.signing import SigningKey
 from scd_store.store.tiered import TieredStore
 from scd_store.store.tiers.base import TierError
 from scd_store.store.tiers.cpu import CpuTier
@@ -23,27 +21,21 @@ from scd_store.store.tiers.gpu import GpuTier
 from scd_store.store.verify import verify_entry, verify_held
 from tests.store.conftest import HASHES, PAYLOADS, SPACE, put_all
 from tests.store.gpu_helpers import HostGpuTier, cuda, forbid_host_copies, gpu_tiers
+from tests.store.test_signing import replace_file
 
 KEYS = hash_keys("space-a", generation_of("space-fp"), HASHES)
 META = BlobMeta("raw", "space-fp", 4)
-PRODUCER_KEY, ATTACKER = SigningKey("k1", bytes([1]) * 32), SigningKey("k1", bytes([3]) * 32)
+PRODUCER_KEY, ATTACKER = (SigningKey("k1", bytes([n]) * 32, spaces=("*",)) for n in (1, 3))
 
 
 def blob(i: int, *, key: str | None = None, signer: SigningKey | None = None, meta: BlobMeta = META) -> bytes:
     return encode_blob(meta, PAYLOADS[i], key=KEYS[i] if key is None else key, signer=signer)
 
 
-_REWRITES = itertools.count(1)
-
-
 def keyring(tmp_path, *lines: str) -> Keyring:
-    """A keyring over ``keys/default.keys`` holding ``lines`` (a rewrite is seen at once)."""
+    """A keyring over ``keys/default.keys`` holding ``lines`` (a rewrite, renamed over the file, is seen at once)."""
     (tmp_path / "keys").mkdir(exist_ok=True)
-    path = tmp_path / "keys" / "default.keys"
-    path.write_text("".join(line + "\n" for line in lines))
-    path.chmod(0o600)
-    stamp = time.time() + next(_REWRITES)  # a rewrite within one mtime tick is still seen
-    os.utime(path, (stamp, stamp))
+    replace_file(tmp_path / "keys" / "default.keys", "".join(line + "\n" for line in lines))
     return Keyring(tmp_path / "keys", reload_s=0)
 
 

@@ -16,7 +16,7 @@ from scd_store.store.fs_safety import UnsafePath
 from scd_store.store.host_keys import HOST_FILE, deployment_keys, host_keyring
 from scd_store.store.keys import generation_of, hash_keys
 from scd_store.store.registry import FileRegistry
-from scd_store.store.signing import SigningKey
+from scd_store.store.signing import ALL_SPACES, SigningKey
 from scd_store.store.stats import StoreStats
 from tests.store.conftest import HASHES, PAIR, SPACE
 
@@ -126,7 +126,8 @@ def test_the_embedded_default_refuses_a_planted_file(home, tmp_path) -> None:
         asyncio.run(store.tiers[0].put(key, planted))
         assert store.consumer("pair-a", "consumer-m", "space-fp").get(HASHES[:1]) == []
         assert store.stats.value("bad_signatures") == 1
-        forged = encode_blob(BlobMeta("raw", "space-fp", 4), b"kv", key=key, signer=SigningKey.generate("host-x"))
+        stranger = SigningKey.generate("host-x", spaces=(ALL_SPACES,))
+        forged = encode_blob(BlobMeta("raw", "space-fp", 4), b"kv", key=key, signer=stranger)
         asyncio.run(store.tiers[0].put(key, forged))
         assert store.consumer("pair-a", "consumer-m", "space-fp").get(HASHES[:1]) == []
         store.producer("space-a", "producer-m", "space-fp").put(HASHES[:1], [b"genuine"], [4], codec_id="raw")

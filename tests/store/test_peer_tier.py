@@ -69,3 +69,31 @@ def test_in_the_store_walk_a_peer_hit_is_verified_and_promoted(tmp_path, registr
     finally:
         producer_side.close()
         consumer_side.close()
+
+
+def test_a_store_publishes_only_the_spaces_it_produces(tmp_path, registry):
+    """A consumer whose peer tier publishes promotes what it reads from the disk into it, and publishes none of
+    it: only a space's producer publishes that space's blobs."""
+    from scd_store.store.tiers.disk import DiskTier
+
+    with TieredStore([DiskTier(tmp_path / "disk", 1 << 20)], registry, chunk_size=4) as producer_side:
+        put_all(producer_side)
+    consumer_side = TieredStore([PeerTier(FilePeerDirectory(tmp_path / "peers"), publish_bytes=1 << 20,
+                                          transfer="copy"), DiskTier(tmp_path / "disk", 1 << 20)],
+                                registry, chunk_size=4)
+    reader = PeerTier(FilePeerDirectory(tmp_path / "peers"), transfer="copy")
+    run(reader.start())
+    try:
+        consumer = consumer_side.consumer("pair-a", "consumer-m", "space-fp")
+        assert [bytes(c.payload) for c in consumer.get(HASHES)] == PAYLOADS
+        consumer_side.flush()
+        assert consumer_side.stats.value("promotions", tier="peer") == 6  # handed to the peer tier ...
+        assert run(reader.contains_many(consumer.keys(HASHES))) == [False] * 6  # ... which published none
+        assert not consumer_side.produces("space-a")
+        put_all(consumer_side)  # the same process as the space's producer: now it publishes what it writes
+        consumer_side.flush()
+        assert consumer_side.produces("space-a")
+        assert run(reader.contains_many(consumer.keys(HASHES))) == [True] * 6
+    finally:
+        consumer_side.close()
+        run(reader.close())

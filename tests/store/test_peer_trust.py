@@ -10,8 +10,9 @@ from collections import Counter
 
 import pytest
 
+from scd_store.store.keyring import Keyring
 from scd_store.store.keys import chunk_hashes, generation_of, hash_keys
-from scd_store.store.signing import Keyring, SigningKey, write_key_file
+from scd_store.store.signing import ALL_SPACES, SigningKey, write_key_file
 from scd_store.store.tiers import peer as peer_module
 from scd_store.store.tiers.peer import PeerTier
 from scd_store.store.transfer.base import SourceInfo
@@ -28,7 +29,7 @@ def run(coro):
 @pytest.fixture
 def keyrings(tmp_path):
     """``(private, public)`` keyrings of one key for every space."""
-    key = SigningKey.generate("k1")
+    key = SigningKey.generate("k1", spaces=(ALL_SPACES,))
     assert key.public is not None
     write_key_file(tmp_path / "private.keys", [key.line()], private=True)
     write_key_file(tmp_path / "public.keys", [key.public.line()], private=False)
@@ -162,7 +163,7 @@ def test_a_verified_entry_is_verified_again_once_the_key_may_have_gone(tmp_path,
     peers = Peers(tmp_path, *keyrings)
     run(peers.source.put_many([(KEYS[0], b"alpha")]))
     assert peers.get(KEYS[:1]) == [b"alpha"]
-    other = SigningKey.generate("k2")
+    other = SigningKey.generate("k2", spaces=(ALL_SPACES,))
     write_key_file(tmp_path / "other.keys", [other.line()], private=True)
     peers.reader.keyring = Keyring(tmp_path / "other.keys")  # k1 is no longer held
     assert peers.get(KEYS[:1]) == [b"alpha"]  # trusted a moment ago

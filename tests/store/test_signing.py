@@ -10,25 +10,33 @@ import time
 import pytest
 
 from scd_store.store.blob import BlobError, BlobMeta, SignatureError, decode_blob, encode_blob
+from scd_store.store.keyring import SETTLE_S, Keyring
 from scd_store.store.keys import generation_of, hash_keys
-from scd_store.store.signing import Keyring, KeyringError, SigningKey, parse_inline_key, parse_key_file
+from scd_store.store.signing import KeyringError, SigningKey, parse_inline_key, parse_key_file
 from scd_store.store.tiered import TieredStore
 from scd_store.store.tiers.cpu import CpuTier
 from scd_store.store.tiers.disk import DiskTier
 from tests.store.conftest import HASHES, PAYLOADS, put_all
 
-OLD, NEW, ATTACKER = (SigningKey(name, bytes([n]) * 32) for n, name in ((1, "k1"), (2, "k2"), (3, "k1")))
+EVERY = ("*",)
+OLD, NEW, ATTACKER = (SigningKey(name, bytes([n]) * 32, spaces=EVERY) for n, name in ((1, "k1"), (2, "k2"), (3, "k1")))
 META = BlobMeta("raw", "space-fp", 4)
 KEY_A, KEY_B = hash_keys("space-a", generation_of("space-fp"), HASHES[:2])
 
 
+def replace_file(path, text: str | bytes, mode: int = 0o600) -> None:
+    """Write ``path`` as an operator's atomic replace does (a new file renamed over it), settled."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    (tmp.write_bytes if isinstance(text, bytes) else tmp.write_text)(text)
+    tmp.chmod(mode)
+    past = time.time() - 2 * SETTLE_S
+    os.utime(tmp, (past, past))
+    os.replace(tmp, path)
+
+
 def keyring(tmp_path, *lines: str, name: str = "default.keys") -> Keyring:
     (tmp_path / "keys").mkdir(parents=True, exist_ok=True)
-    path = tmp_path / "keys" / name
-    path.write_text("".join(line + "\n" for line in lines))
-    path.chmod(0o600)
-    stamp = time.time() + len(lines)  # a rewrite within the same mtime tick is still seen
-    os.utime(path, (stamp, stamp))
+    replace_file(tmp_path / "keys" / name, "".join(line + "\n" for line in lines))
     return Keyring(tmp_path / "keys", reload_s=0)
 
 
@@ -46,7 +54,9 @@ def test_key_files_parse_and_refuse_bad_lines(tmp_path) -> None:
         parse_key_file(hmac_line, "f")
     for bad in (f"{OLD.line()} {OLD.line()}", "k ed25519-public:nothex", "k ed25519-public:00ff",
                 f"{OLD.line()}\n{public(OLD)}", f"bad:id ed25519-public:{'00' * 32}", f"{OLD.line()} until=soon",
-                f"{OLD.line()} until=nan", f"{OLD.line()} until=inf", f"{OLD.line()} until=-5"):
+                f"{OLD.line()} until=nan", f"{OLD.line()} until=inf", f"{OLD.line()} until=-5",
+                f"{OLD.line()} spaces=a", f"k {OLD.line().split()[1]} spaces=*,a", f"k {OLD.line().split()[1]} spaces=",
+                f"k {OLD.line().split()[1]} spaces=bad:id", f"k {OLD.line().split()[1]} scope=a"):
         with pytest.raises(KeyringError):
             parse_key_file(bad, "f")
     assert parse_inline_key(f"env1:ed25519-private:{'01' * 32}").key_id == "env1"
@@ -61,8 +71,10 @@ def test_per_space_files_win_over_the_default(tmp_path) -> None:
     ring = keyring(tmp_path, NEW.line(), name="space-b.keys")
     assert ring.signer("space-a").key_id == "k1" and ring.signer("space-b").key_id == "k2"
     assert ring.verifier("space-b", "k1") is None
-    env = Keyring.from_env(None, {"SCD_STORE_SIGNING_KEY": f"inline:ed25519-private:{'05' * 32}"})
+    env = Keyring.from_env(None, {"SCD_STORE_SIGNING_KEY": f"inline:ed25519-private:{'05' * 32} spaces=*"})
     assert env is not None and env.signer("anything").key_id == "inline"
+    with pytest.raises(KeyringError, match="names no spaces"):  # an inline key says which spaces it is for
+        Keyring.from_env(None, {"SCD_STORE_SIGNING_KEY": f"inline:ed25519-private:{'05' * 32}"})
     assert Keyring.from_env(None, {}) is None
 
 
@@ -126,8 +138,7 @@ def test_a_key_file_that_stops_parsing_keeps_its_keys_logged_and_counted(tmp_pat
     ring = keyring(tmp_path, OLD.line())
     ring.on_error = errors.append
     path = tmp_path / "keys" / "default.keys"
-    path.write_text("k1 12")
-    os.utime(path, (time.time() + 9, time.time() + 9))
+    replace_file(path, "k1 12")
     assert ring.signer("space-a").key_id == "k1"
     assert ring.signer("space-a").key_id == "k1"
     assert len(errors) == 1 and "keeping the keys read before" in errors[0]  # once per state of the file
@@ -136,8 +147,7 @@ def test_a_key_file_that_stops_parsing_keeps_its_keys_logged_and_counted(tmp_pat
 
 def test_a_deleted_key_file_fails_closed(tmp_path) -> None:
     errors: list[str] = []
-    (tmp_path / "one.keys").write_text(OLD.line() + "\n")
-    (tmp_path / "one.keys").chmod(0o600)
+    replace_file(tmp_path / "one.keys", OLD.line() + "\n")
     ring = Keyring(tmp_path / "one.keys", reload_s=0, on_error=errors.append)
     blob = encode_blob(META, PAYLOADS[0], key=KEY_A, signer=ring.signer("space-a"))
     (tmp_path / "one.keys").unlink()
@@ -145,8 +155,7 @@ def test_a_deleted_key_file_fails_closed(tmp_path) -> None:
     with pytest.raises(SignatureError):
         decode_blob(blob, key=KEY_A, space_id="space-a", keyring=ring)
     assert len(errors) == 1 and "gone" in errors[0]
-    (tmp_path / "one.keys").write_text(OLD.line() + "\n")  # back: the keys work again
-    (tmp_path / "one.keys").chmod(0o600)
+    replace_file(tmp_path / "one.keys", OLD.line() + "\n")  # back: the keys work again
     assert ring.signer("space-a").key_id == "k1"
     decode_blob(blob, key=KEY_A, space_id="space-a", keyring=ring)
 
@@ -247,8 +256,7 @@ def test_a_reload_that_cannot_decode_keeps_the_keys_and_a_removed_space_file_fai
     ring = keyring(tmp_path, public(NEW), name="space-b.keys")
     ring.on_error = errors.append
     path = tmp_path / "keys" / "space-b.keys"
-    path.write_bytes(b"\xff\xfe not utf-8")
-    os.utime(path, (time.time() + 20, time.time() + 20))
+    replace_file(path, b"\xff\xfe not utf-8")
     assert ring.verifier("space-b", "k2") is not None and len(errors) == 1  # kept, logged, counted
     path.unlink()  # a space's own file gone: never the default's keys in its place
     assert ring.verifier("space-b", "k2") is None and ring.verifier("space-b", "k1") is None

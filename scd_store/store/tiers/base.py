@@ -18,9 +18,10 @@ from scd_store.store.log_once import Incidents
 from scd_store.store.tiers.lru import ByteLRU
 
 if TYPE_CHECKING:
-    from scd_store.store.signing import Keyring
+    from scd_store.store.keyring import Keyring
 
 EvictListener = Callable[[str, str, int], None]  # (tier name, key, bytes)
+Produces = Callable[[str], bool]  # whether this process produces a space (by id): only those are published
 # (counter name, amount[, space=space id]): the store's stats, labelled with this tier (and the space when given)
 Counter = Callable[..., None]
 
@@ -52,12 +53,15 @@ class Tier(ABC):
         self._on_evict: EvictListener | None = None
         self._counter: Counter | None = None
         self.keyring: Keyring | None = None
+        self.produces: Produces = _every_space
 
-    def attach(self, *, keyring: Keyring | None, count: Counter | None) -> None:
+    def attach(self, *, keyring: Keyring | None, count: Counter | None, produces: Produces | None = None) -> None:
         """Called by the store before :meth:`start`: its keyring (for a tier that signs what it publishes or
-        verifies what it is told) and where the tier's own counters go (``count(name, amount)``)."""
+        verifies what it is told), where the tier's own counters go (``count(name, amount)``) and which spaces
+        this process produces (a tier that publishes to others publishes those only; None: every space)."""
         self.keyring = keyring
         self._counter = count
+        self.produces = produces if produces is not None else _every_space
 
     def _count(self, counter: str, amount: int = 1, *, space: str = "") -> None:
         """Add to one of the store's counters (:data:`scd_store.store.stats.COUNTERS`) under this tier (and
@@ -219,6 +223,10 @@ class LruTier(LocalTier):
 
     def usage(self) -> TierUsage:
         return TierUsage(len(self._lru), self._lru.bytes_used, self._lru.max_bytes)
+
+
+def _every_space(space_id: str) -> bool:
+    return True
 
 
 class _TierCounts:

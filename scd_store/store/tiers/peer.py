@@ -3,8 +3,9 @@
 A process whose peer tier has ``publish_bytes`` keeps what it stores in a registered arena (its
 :class:`BlobSource`) and records where each blob sits in a :class:`PeerDirectory`: one
 :class:`~scd_store.store.transfer.entry.LocationEntry` per blob, bound to the SHA-256 of its source's
-info and signed with the blob's space private key (a space this process holds no private key for is
-not published: ``unsigned_puts``). Any process's peer tier looks entries up and, with a keyring,
+info and signed with the blob's space private key. Only the spaces this process produces are published
+(what it read of other spaces and promoted is not); a space it holds no private key for is not published
+either (``unsigned_puts``). Any process's peer tier looks entries up and, with a keyring,
 trusts one only when its signature verifies with that space's public key and the source info the
 directory then gives hashes to the signed digest; only then does it connect to that source (NIXL)
 and read. Every entry is bounded (``max_value_bytes`` per blob, inside the source's region) and a
@@ -133,6 +134,8 @@ class PeerTier(Tier):
         blobs: dict[str, bytes] = {}
         signers: dict[str, SigningKey | None] = {}
         for key, value in items:
+            if not self.produces(space_of(key)):
+                continue  # another space's blob this process read (a promotion): its producer publishes it
             signer = self._signer(key) if self.keyring is not None else None
             if self.keyring is not None and signer is None:
                 self._incident("unsigned_puts", f"unsigned:{space_of(key)}", "no private key for %s's space: its "

@@ -23,8 +23,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from scd_store.store.keyring import Keyring
 from scd_store.store.keys import KeyError_, parse_key
-from scd_store.store.signing import SIGNATURE_SIZE, Keyring, SigningKey
+from scd_store.store.signing import SIGNATURE_SIZE, SigningKey
 from scd_store.store.transfer.base import BlobRef, strict_int, strict_json, valid_source_name
 
 ENTRY_CONTEXT = b"scd-store/peer/v1\0"
