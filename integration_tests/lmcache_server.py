@@ -18,17 +18,19 @@ from scd_store.bench.vllm_server import free_port
 class LMCacheServer:
     """``lmcache server`` with ``--l2-adapter`` of type ``plugin`` naming ``ScdL2Adapter``."""
 
-    def __init__(self, work: Path, adapter_params: dict, chunk: int = 16, env: dict | None = None) -> None:
+    def __init__(self, work: Path, adapter_params: dict, chunk: int = 16, env: dict | None = None,
+                 host: str = "127.0.0.1") -> None:
         self.rpc_port, self.http_port = free_port(), free_port()
         self.rpc_url, self.http_url = f"tcp://127.0.0.1:{self.rpc_port}", f"http://127.0.0.1:{self.http_port}"
         adapter = {"type": "plugin", "module_path": "scd_store.adapters.lmcache.l2_adapter",
                    "class_name": "ScdL2Adapter", "adapter_params": adapter_params}
-        self.args = [sys.executable, "-m", "lmcache.cli.main", "server", "--host", "127.0.0.1",
+        self.args = [sys.executable, "-m", "lmcache.cli.main", "server", "--host", host,
                      "--port", str(self.rpc_port), "--http-host", "127.0.0.1", "--http-port", str(self.http_port),
                      "--chunk-size", str(chunk), "--l1-size-gb", "0.1", "--eviction-policy", "LRU",
                      "--supported-transfer-mode", "auto", "--disable-metrics", "--l2-adapter", json.dumps(adapter)]
         self.env = {**os.environ, "PYTHONPATH": str(ROOT), "LMCACHE_TRACK_USAGE": "false",
                     "LMCACHE_DISABLE_BANNER": "1", "LMCACHE_LOG_LEVEL": "WARNING", **(env or {})}
+        work.mkdir(parents=True, exist_ok=True)
         self.log = work / "lmcache-server.log"
         self.proc: subprocess.Popen | None = None
 

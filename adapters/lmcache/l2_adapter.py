@@ -6,10 +6,26 @@ Configure on the server's command line (the ``plugin`` adapter type)::
     lmcache server --chunk-size 256 --l1-size-gb 8 --eviction-policy LRU \\
       --l2-adapter '{"type": "plugin", "module_path": "scd_store.adapters.lmcache.l2_adapter",
                      "class_name": "ScdL2Adapter",
-                     "adapter_params": {"bundles": ["/srv/scd/bundles/shakespeare"],
+                     "adapter_params": {"server_role": "consumer",
+                                        "bundles": ["/srv/scd/bundles/shakespeare"],
                                         "store_config": "/srv/scd/store.yaml"}}'
 
-``adapter_params`` are scd-store's engine settings (docs/engines.md). Store: chunks that a space's
+``adapter_params`` are scd-store's engine settings (docs/engines.md) and the server's own role,
+``server_role`` (required), because a server cannot tell its clients apart: whoever reaches its port
+names any model in its keys, and no key says which engine sent it.
+
+- ``consumer``: the server of consumer engines (any number of them, any tenants). It reads codes and
+  decodes them for registered consumers, stores nothing (a client's keys naming the producer's model are
+  refused and counted, ``client_role_refusals``), and holds public keys only: a private key in its
+  keyring is refused at start.
+- ``producer``: the server of one producer engine alone. It stores that engine's chunks as codes, signed
+  with the space's private key, and serves no consumer. Nothing else may reach it: it stores only while
+  every socket of its process listens on the loopback address (``--host`` / ``--http-host 127.0.0.1``, on a
+  host, pod or network namespace the producer engine has to itself); listening anywhere else (or where
+  that cannot be told) it refuses to store, unless ``allow_remote_clients: true`` says the network is the
+  producer engine's alone (a warning at start).
+
+Store: chunks that a space's
 producer engine wrote to L1 are encoded off the server's threads (the put queue) at the positions
 the server reported for them (:class:`PositionLedger`, from its ``MP_TOKENS`` events; a chunk
 without one is not stored and is counted), and the task completes when they are stored. Lookup
@@ -17,11 +33,10 @@ and load: a registered consumer's keys resolve to the producer's codes, decoded 
 L1 memory objects LMCache hands over (or, with ``decode_device: cuda``, on the GPU and copied in:
 :mod:`scd_store.adapters.lmcache.device_decode`). Keys carry LMCache's ``cache_salt`` (a tenant).
 
-Roles come from the key's ``model_name``, which is the engine's, never a request's: LMCache's
-multiprocess vLLM connector puts the engine's own ``model_config.model`` into every key it sends
-the server, and request configs (``lmcache.tag.*``) are no part of an ``ObjectKey``, so no
-request can name another model. Whoever can reach the server's socket speaks for an engine: keep
-it on a host or network only the deployment's engines reach.
+Within its role, a key's model is its ``model_name``, which is the engine's, never a request's:
+LMCache's multiprocess vLLM connector puts the engine's own ``model_config.model`` into every key it
+sends the server, and request configs (``lmcache.tag.*``) are no part of an ``ObjectKey``, so no
+request can name another model.
 """
 
 from __future__ import annotations
@@ -29,6 +44,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -44,7 +60,9 @@ from lmcache.v1.platform import create_event_notifier
 from scd_store.adapters.lmcache.device_decode import decode_target
 from scd_store.adapters.lmcache.hashing import mp_server_canary
 from scd_store.adapters.lmcache.layout import state_from_kv_2ltd
+from scd_store.adapters.lmcache.listeners import remote_listeners
 from scd_store.adapters.lmcache.positions import PositionLedger
+from scd_store.flags import parse_flag
 from scd_store.service import EngineSettings, SettingsError, acquire_service, release_service
 from scd_store.service.bindings import Binding
 from scd_store.service.hash_agreement import HashMismatch
@@ -52,6 +70,25 @@ from scd_store.service.log_once import LogOnce
 
 log = logging.getLogger("scd_store.adapters.lmcache")
 POSITION_WAIT_S = 1.0  # how long an L1 chunk may wait for its MP_TOKENS event
+SERVER_ROLES = ("producer", "consumer")
+LISTEN_CHECK_S = 30.0  # how long a producer's server trusts its last look at its listening sockets
+
+
+def server_params(config: dict | None) -> tuple[str, bool, dict]:
+    """``(server_role, allow_remote_clients, the engine settings)`` of the adapter's params."""
+    params = dict(config or {})
+    role = params.pop("server_role", None)
+    try:
+        remote = parse_flag(params.pop("allow_remote_clients", False), "allow_remote_clients")
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None
+    if role not in SERVER_ROLES:
+        raise SettingsError(f"adapter_params needs server_role: producer (the server of one producer engine alone) "
+                            f"or consumer (the server of consumer engines), got {role!r}: a server cannot tell its "
+                            "clients apart, so it serves one role")
+    if remote and role != "producer":
+        raise SettingsError("allow_remote_clients is a producer's server's setting")
+    return role, remote, params
 
 
 def object_hash(key: ObjectKey) -> bytes:
@@ -88,10 +125,12 @@ class ScdL2Adapter(L2AdapterInterface):
     def __init__(self, config: dict, l1_memory_desc: Any = None) -> None:
         super().__init__(0)
         try:
-            self.settings = EngineSettings.from_mapping(config or {})
+            self.server_role, self.allow_remote, params = server_params(config)
+            self.settings = EngineSettings.from_mapping(params)
             self.decode_target = decode_target(self.settings.decode_device)  # a device not here fails now
             self.service = acquire_service(self.settings)
             try:
+                self._check_role()
                 self._check_hashing()
             except BaseException:
                 release_service(self.service)
@@ -107,8 +146,53 @@ class ScdL2Adapter(L2AdapterInterface):
         self._id_lock = threading.Lock()
         self._once = LogOnce(log)
         self._incidents = self.service.incidents(log)
+        self._listen_checked: tuple[float, bool] | None = None  # (when, reachable only from this host)
 
     # ----------------------------------------------------------------- helpers
+    def _check_role(self) -> None:
+        """A consumer's server holds no private key; a producer's serves a producer model."""
+        roles = self.service.models()
+        if self.server_role == "consumer" and self.service.can_sign():
+            raise SettingsError("a consumer-role lmcache server is reached by consumer engines (and whoever else "
+                                "reaches its port), so it must hold public keys only: point its signing_keys at the "
+                                "public key file (`scd-store keys public PRIVATE_FILE`)")
+        if self.server_role == "producer":
+            if "producer" not in roles.values():
+                raise SettingsError(f"a producer-role lmcache server needs a bundle whose producer it serves; bound: "
+                                    f"{roles}")
+            if self.allow_remote:
+                log.warning("scd-store: allow_remote_clients: this producer's lmcache server stores whatever any "
+                            "client that reaches it sends as the producer's model, signed with the space's private "
+                            "key; keep its network the producer engine's alone (docs/reliability.md)")
+
+    def _serves(self, role: str, model: str, keys: int) -> bool:
+        """Whether a client's keys of ``model`` (a ``role`` of a space) are this server's to serve: its role's
+        only (counted and logged once otherwise), and a producer's only while no one else can reach it."""
+        if role != self.server_role:
+            what = "stores" if role == "producer" else "lookups and loads"
+            self._incidents.count("client_role_refusals", "scd-store: a client of this %s-role lmcache server sent "
+                                  "%s of %r, the %s of its space: refused (a server serves one role; counted as "
+                                  "client_role_refusals; logged once)", self.server_role, what, model, role, n=keys,
+                                  once=f"role:{role}")
+            return False
+        if role == "producer" and not self.allow_remote and not self._only_local():
+            self._incidents.count("client_role_refusals", "scd-store: this producer's lmcache server can be reached "
+                                  "from beyond its host (%s), so any process there could store as the producer: not "
+                                  "storing (bind --host and --http-host to 127.0.0.1 where the producer engine runs "
+                                  "alone, or set allow_remote_clients: true; counted as client_role_refusals; logged "
+                                  "once)", self._listening, n=keys, once="remote")
+            return False
+        return True
+
+    def _only_local(self) -> bool:
+        """Whether every socket this process listens on is a loopback one (looked at every ``LISTEN_CHECK_S``)."""
+        now = time.monotonic()
+        if self._listen_checked is None or now - self._listen_checked[0] > LISTEN_CHECK_S:
+            remote = remote_listeners()
+            self._listening = "who can reach it cannot be told" if remote is None else ", ".join(remote)
+            self._listen_checked = (now, remote == [])
+        return self._listen_checked[1]
+
     def _check_hashing(self) -> None:
         """Producers record the server's hashing canary, consumers compare (one server serves many
         engines: a consumer that differs is logged, counted and answers no lookups; the server runs on)."""
@@ -117,7 +201,9 @@ class ScdL2Adapter(L2AdapterInterface):
             log.warning("scd-store: this lmcache server's chunk hashing cannot be checked (only blake3 is); servers "
                         "that share a store must use the same --chunk-size and --hash-algorithm")
             return
-        for model in self.service.models():
+        for model, role in self.service.models().items():
+            if role != self.server_role:
+                continue  # a producer's server records its canary, a consumer's server compares
             try:
                 self.service.check_hashing(model, canary)
             except HashMismatch as exc:
@@ -137,8 +223,11 @@ class ScdL2Adapter(L2AdapterInterface):
             self._once.warn("layout", "scd-store: only world size 1 and the attention object group are coded; "
                             "other keys miss")
             return None
-        binding = self.service.binding(keys[0].model_name)
-        return (keys[0].model_name, binding) if binding is not None and binding.role == role else None
+        model = keys[0].model_name
+        binding = self.service.binding(model)
+        if binding is None or binding.role != role or not self._serves(role, model, len(keys)):
+            return None
+        return model, binding
 
     # ----------------------------------------------------------------- event fds
     def get_store_event_fd(self) -> int:
@@ -248,7 +337,7 @@ class ScdL2Adapter(L2AdapterInterface):
             results.notifier.close()
 
     def report_status(self) -> dict:
-        return {"is_healthy": self.service is not None, "type": "ScdL2Adapter",
+        return {"is_healthy": self.service is not None, "type": "ScdL2Adapter", "server_role": self.server_role,
                 "queued_chunks": self.service.queued_chunks() if self.service is not None else 0}
 
 

@@ -148,6 +148,11 @@ class KVService:
         """Every bound model name and its role."""
         return self.bindings.roles()
 
+    def can_sign(self) -> bool:
+        """Whether this process's store holds a private key (it could sign codes others accept)."""
+        keyring = self.store.keyring
+        return keyring is not None and keyring.can_sign
+
     def _producer_binding(self, model: str, chunks: int) -> Binding | None:
         """``model``'s binding when it produces a space; else None, counted and logged (consumers never write)."""
         binding = self.binding(model)

@@ -52,6 +52,8 @@ COUNTERS: dict[str, str] = {
                          "source info, malformed or out of bounds (a miss, never read)",
     "refilled_chunks": "chunks a producer's engine served from its own prefix cache that the store had lost: "
                        "stored again",
+    "refill_timeouts": "finished producer requests (vLLM) whose blocks were held for a refill check not answered "
+                       "within the hold (10 s): released without a refill",
     "ignored_model_tags": "requests whose model tag named another model than the engine's own: the tag is ignored "
                           "(roles come from the engine)",
     "salted_chunks": "chunks of requests with a cache_salt on a path that cannot keep salts apart: neither "
@@ -81,10 +83,15 @@ COUNTERS: dict[str, str] = {
     "deadline_chunks": "chunks a get left undecoded because its deadline had passed",
     "lookup_deadlines": "consumer requests whose lookup was not in by lookup_deadline_s: computed by the engine",
     "lookup_errors": "consumer lookups that raised (a tier or registry error): computed by the engine",
+    "load_deadlines": "asynchronous loads (vLLM) not done by load_deadline_s: the blocks they had not filled are "
+                      "recomputed by the engine",
     "discovered_models": "models bound after start from pairs and spaces registered later (scd-store register)",
     "discovery_errors": "registered pairs a process could not load (a moved bundle, fingerprints that differ)",
     "refused_chunks": "stored chunks the consumer's codec refused (another packing or space): a miss",
     "hash_mismatch": "engine processes whose chunk hashing differs from their space's producer (canary)",
+    "client_role_refusals": "keys an LMCache server's client sent for a role the server does not serve (a store "
+                            "naming the producer on a consumer's server, a consumer's lookup on a producer's, a store "
+                            "on a producer's server others can reach): refused",
 }
 LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                    float("inf"))

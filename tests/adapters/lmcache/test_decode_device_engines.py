@@ -60,7 +60,30 @@ def test_a_plugin_told_to_decode_on_cuda_where_there_is_none_fails_at_start(engi
 
 
 def l2_params(engines: Engines, **extra: object) -> dict:
-    return {"bundles": [str(engines.bundle)], "store_config": str(engines.store_yaml), **extra}
+    """A consumer's server: its store reads the engines' disk with the public key of the producer's keys."""
+    import yaml
+
+    from scd_store.store.host_keys import deployment_keys
+
+    private, public = deployment_keys(engines.bundle.parent / "keys")
+    settings = yaml.safe_load(engines.store_yaml.read_text())
+    for name, keys in (("producer", private), ("consumer", public)):
+        (engines.bundle.parent / f"{name}.yaml").write_text(yaml.safe_dump({**settings, "signing_keys": str(keys)}))
+    return {"server_role": "consumer", "bundles": [str(engines.bundle)],
+            "store_config": str(engines.bundle.parent / "consumer.yaml"), **extra}
+
+
+def produce(engines: Engines, hashes: list[bytes], states: list) -> int:
+    """The producer's chunks, stored by a process of its own (its store holds the private key)."""
+    from scd_store.service import KVService
+    from scd_store.store.build import open_store
+    from scd_store.store.config import load_config
+
+    service = KVService(open_store(load_config(str(engines.bundle.parent / "producer.yaml"))), [engines.bundle])
+    try:
+        return service.put(PRODUCER, hashes, states)
+    finally:
+        service.close()
 
 
 def load(adapter: ScdL2Adapter, keys: list[ObjectKey], tokens: list[int]) -> tuple[int, list[torch.Tensor]]:
@@ -78,7 +101,7 @@ def test_the_l2_adapter_loads_the_same_kv_from_a_staged_decode(engines):
     adapter = ScdL2Adapter(l2_params(engines))
     try:
         keys = [ObjectKey(chunk_hash=bytes([i + 1]) * 32, model_name="consumer-a", kv_rank=1 << 24) for i in range(3)]
-        assert adapter.service.put(PRODUCER, [object_hash(k) for k in keys], chunked(3, CHUNK, seed=3)) == 3
+        assert produce(engines, [object_hash(k) for k in keys], chunked(3, CHUNK, seed=3)) == 3
         found, direct = load(adapter, keys, [CHUNK] * 3)
         assert found == 3 and isinstance(adapter.decode_target, HostDecode)
         copies = DeferredCopies()
