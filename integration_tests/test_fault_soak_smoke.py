@@ -22,3 +22,5 @@ def test_a_short_fault_soak_serves_no_garbage_and_sees_the_revocation():
     assert integrity["next_generation_kept"] == integrity["next_generation_blobs"] > 0
     assert integrity["acknowledged_puts"] > 0 and integrity["lost_uncounted"] == 0
     assert report["detected"]["rogue_unsigned_puts"] > 0 and report["detected"]["refused_reports"] > 0
+    assert integrity["rogue_attacks"]["flood"]["attempts"] > 0 and integrity["redis_evicted_keys"] == 0  # none got in
+    assert integrity["reported_absent"] > 0 and integrity["reported_absent_written"] == 0  # no rewrite on a claim

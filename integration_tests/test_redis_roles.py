@@ -2,7 +2,7 @@
 the operator registers and revokes, the producer writes and quarantines its own space only and records only its
 own space's canary, the consumer only reads (no command it may run deletes, expires or writes a blob); signed
 blobs (the producer holds the private key, the consumer the public one). The reports readers make and the
-producer takes (hits, suspects) are in test_redis_reports.py."""
+producer takes (hits, suspects: published, never stored) are in test_redis_reports.py."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from scd_store.store.keyring import Keyring
 from scd_store.store.keys import generation_of, make_key
 from scd_store.store.redis_acl import acl_setuser
 from scd_store.store.registry import RedisRegistry
-from scd_store.store.signing import ALL_SPACES, SigningKey, write_key_file
+from scd_store.store.signing import SigningKey, write_key_file
 from scd_store.store.tiered import TieredStore
 from scd_store.store.tiers.cpu import CpuTier
 from scd_store.store.tiers.redis_tier import RedisTier
@@ -45,11 +45,11 @@ def chunks(count: int = 3, size: int = 8):
 def deployment(tmp_path):
     bundle = tmp_path / "bundle"
     write_tiny_bundle(bundle, consumers=("consumer-a",))
-    key = SigningKey.generate("k1", spaces=(ALL_SPACES,))
+    key = SigningKey.generate("k1", spaces=("tiny-space",))  # made for its space only
     assert key.public is not None
     write_key_file(tmp_path / "private.keys", [key.line()], private=True)  # the producer's
     write_key_file(tmp_path / "public.keys", [key.public.line()], private=False)  # the consumer's
-    with RedisServer(tmp_path / "redis") as server:
+    with RedisServer(tmp_path / "redis", extra=("--notify-keyspace-events", "Ee")) as server:
         for role, (user, password, space) in USERS.items():
             line = acl_setuser("producer" if role == "other" else role, user, password, space)
             assert server.cli(*line).strip() == "OK"
@@ -130,16 +130,18 @@ def test_a_consumer_can_neither_delete_nor_expire_nor_write_a_blob(deployment):
                         ("HSET", key, "f", "v"), ("EVAL", "return redis.call('del', KEYS[1])", "1", key),
                         ("FLUSHALL",), ("CONFIG", "SET", "maxmemory", "1")):
             refused(reader, *command)
-        # nor the registry, a canary, or the reports it cannot delete from (HDEL: only a producer takes reports)
+        # nor the registry, a canary, nor any key at all: counters live on an instance of their own, reports are
+        # published (the flood that made Redis evict every blob wrote hashes here)
         for command in (("HSET", "scd:__registry__:spaces", "x", "y"), ("HSETNX", "scd:__registry__:pairs", "x", "y"),
                         ("HSET", "scd:__registry__:canaries:tiny-space", "vllm", "{}"),
-                        ("HDEL", f"scd:__stats__:suspects:tiny-space:{gen}", "x"),
-                        ("DEL", f"scd:__stats__:hits:tiny-space:{gen}")):
+                        ("HSET", f"scd:__stats__:suspects:tiny-space:{gen}", "x", "1"),
+                        ("HSET", "scd:__stats__:flood", "f", "x" * 1024), ("HINCRBY", "scd:__stats__", "puts", "1"),
+                        ("EXPIRE", "scd:__stats__", "60"), ("SET", "scd:__stats__:x", "1"), ("LPUSH", "scd:x", "1"),
+                        ("XADD", "scd:x", "*", "f", "v"), ("SUBSCRIBE", f"scd:__reports__:tiny-space:{gen}")):
             refused(reader, *command)
         assert admin.get(key) == blob and TTL_S * 1000 - 10_000 < admin.pttl(key) <= TTL_S * 1000
-        # what it may do: read, report and count (with a TTL on what it writes)
-        assert reader.get(key) == blob and reader.hset("scd:__stats__:probe", "f", "1") == 1
-        assert reader.expire("scd:__stats__:probe", 60) and reader.hscan("scd:__stats__:probe")[1] == {b"f": b"1"}
+        # what it may do: read, and publish reports (to whoever subscribes; Redis keeps none of them)
+        assert reader.get(key) == blob and reader.publish(f"scd:__reports__:tiny-space:{gen}", "{}") >= 0
         assert len(consumer.get("consumer-a", HASHES)) == 3
     finally:
         reader.close()
@@ -159,18 +161,18 @@ def test_a_producer_writes_only_its_own_space(deployment):
                         ("HSET", "scd:__registry__:spaces", "x", "y"),
                         ("HSET", "scd:__registry__:canaries:other-space", "vllm", "{}"),
                         ("HSET", "scd:__registry__:canaries", "other-space|vllm", "{}"),  # the old shared hash
-                        ("HDEL", f"scd:__stats__:suspects:other-space:{gen}", "x"),
-                        ("DEL", f"scd:__stats__:hits:other-space:{gen}")):
+                        ("HSET", "scd:__stats__", "puts", "1"), ("PUBLISH", f"scd:__reports__:tiny-space:{gen}", "x"),
+                        ("SUBSCRIBE", f"scd:__reports__:other-space:{gen}")):
             refused(writer, *command)
         assert admin.get(theirs) == b"other-space blob" and admin.pttl(theirs) > 50_000
         # the other space's producer cannot touch this space's blobs either
         for command in (("SET", keys[0], "x"), ("DEL", keys[0]), ("PEXPIRE", keys[0], "0")):
             refused(other, *command)
-        # what it may do in its own space: refresh a TTL, take and clear its reports, write its canary
+        # what it may do in its own space: refresh a TTL, hear its reports and evictions, write its canary
         assert writer.pexpire(keys[0], 120_000) and admin.pttl(keys[0]) > 100_000
-        admin.hset(f"scd:__stats__:suspects:tiny-space:{gen}", "x", "1")
-        assert writer.hscan(f"scd:__stats__:suspects:tiny-space:{gen}")[1] == {b"x": b"1"}
-        assert writer.hdel(f"scd:__stats__:suspects:tiny-space:{gen}", "x") == 1
+        listener = writer.pubsub()
+        listener.subscribe(f"scd:__reports__:tiny-space:{gen}", "__keyevent@0__:evicted")
+        listener.close()
         assert writer.hset("scd:__registry__:canaries:tiny-space", "probe", "{}") == 1
     finally:
         writer.close(), other.close()

@@ -9,8 +9,11 @@ Each round it tries one attack, and counts attempts and what got through (which 
   a seed) and writes them to Redis (refused by its ACL) and into the consumers' shared disk tier;
 - ``plant_files``: replaces blob files of the shared disk tier with symlinks to ``/dev/zero`` and FIFOs;
 - ``expire``: ``PEXPIRE key 0``, ``EXPIRE``, ``DEL``, ``SET`` on genuine blob keys (refused by its ACL);
-- ``forge_reports``: reports genuine blobs of its generation, and blobs of another generation, as bad (so
-  their producer would delete them) and reports other spaces' keys as hits.
+- ``forge_reports``: reports genuine blobs of its generation, blobs of another generation and keys that are
+  not there as bad (so their producer would delete or rewrite them), and every blob and other spaces' keys as
+  hits (so their TTLs would be refreshed for ever);
+- ``flood``: writes 1 MiB hashes and strings under the counters' and other prefixes (refused by its ACL: it may
+  write no key) and publishes 1 MiB reports (delivered, refused, stored nowhere), to make Redis evict blobs.
 
 The harness then checks that consumers served no garbage and that every blob the rogue reported is still
 there and genuine.
@@ -21,11 +24,11 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import time
 from pathlib import Path
 from typing import Any
 
-ATTACKS = ("claim_producer", "sign_own", "plant_files", "expire", "forge_reports")
+ATTACKS = ("claim_producer", "sign_own", "plant_files", "expire", "forge_reports", "flood")
+FLOOD_BYTES = 1 << 20
 
 
 class Rogue:
@@ -41,6 +44,7 @@ class Rogue:
         self.disk = DiskTier(spec["disk"], 1 << 30, rescan_s=None) if spec.get("disk") else None
         self.counts = {name: {"attempts": 0, "got_through": 0} for name in ATTACKS}
         self.reported: set[str] = set()
+        self.absent: set[str] = set()
 
     def round(self) -> None:
         attack = ATTACKS[self.rng.randrange(len(ATTACKS))]
@@ -113,23 +117,48 @@ class Rogue:
                 got += 1
         return got
 
+    def _publish(self, scope: str, kind: str, keys: list[str]) -> None:
+        from scd_store.store.tiers.redis_reports import channel_of, report_messages
+
+        for message in report_messages(kind, keys):
+            self.client.publish(channel_of(scope), message)
+
     def forge_reports(self) -> int:
         from scd_store.bench.fault_space import FINGERPRINT, OTHER_FINGERPRINT, SPACE, other_generation_keys
         from scd_store.store.keys import generation_of
 
         genuine = self._keys()
         foreign = other_generation_keys()[:4]
+        absent = self.keys_of(self.spec["prefixes"] + self.rng.randrange(1000))  # never written: nothing to rewrite
         scope = f"{SPACE}:{generation_of(FINGERPRINT)}"
-        stamp = str(int(time.time()))
-        self.client.hset(f"scd:__stats__:suspects:{scope}", mapping=dict.fromkeys([*genuine, *foreign], stamp))
-        self.client.hset(f"scd:__stats__:suspects:{SPACE}:{generation_of(OTHER_FINGERPRINT)}",
-                         mapping=dict.fromkeys(genuine, stamp))  # this generation's keys under the other's scope
-        self.client.hset(f"scd:__stats__:hits:{scope}", mapping={"scd:other:v3.0123456789abcdef:" + "0" * 32: stamp})
+        self._publish(scope, "suspects", [*genuine, *foreign, *absent])
+        self._publish(f"{SPACE}:{generation_of(OTHER_FINGERPRINT)}", "suspects", genuine)  # under the other's scope
+        everything = [k for i in range(self.spec["prefixes"]) for k in self.keys_of(i)]
+        self._publish(scope, "hits", [*everything, "scd:other:v3.0123456789abcdef:" + "0" * 32])
         self.reported.update(genuine + foreign)
-        return 0  # the harness checks the reported blobs are still there and genuine
+        self.absent.update(absent)
+        return 0  # the harness checks the reported blobs are still there and genuine, the absent ones still absent
+
+    def flood(self) -> int:
+        """Writes that would fill the instance (each refused: got through counts the ones that were not)."""
+        from scd_store.bench.fault_space import FINGERPRINT, SPACE
+        from scd_store.store.keys import generation_of
+
+        n = self.rng.randrange(10**9)
+        got = 0
+        for command in (("HSET", f"scd:__stats__:flood:{n}", "f", b"x" * FLOOD_BYTES),
+                        ("SET", f"scd:__stats__:flood:{n}", b"x" * FLOOD_BYTES),
+                        ("HSET", "scd:__stats__", f"flood{n}", b"x" * FLOOD_BYTES),
+                        ("LPUSH", f"scd:{SPACE}:flood", b"x" * FLOOD_BYTES)):
+            with contextlib.suppress(Exception):  # NOPERM: a consumer writes no key at all
+                self.client.execute_command(*command)
+                got += 1
+        self.client.publish(f"scd:__reports__:{SPACE}:{generation_of(FINGERPRINT)}", b"x" * FLOOD_BYTES)
+        return got
 
     def report(self) -> dict[str, Any]:
-        return {"attacks": self.counts, "reported_keys": sorted(self.reported)}
+        return {"attacks": self.counts, "reported_keys": sorted(self.reported),
+                "reported_absent": sorted(self.absent)[:4096]}
 
     def close(self) -> None:
         self.client.close()

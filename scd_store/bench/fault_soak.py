@@ -7,9 +7,11 @@ CPU tier (so reads go to lower tiers) and a disk tier: the producer its own, the
 public one. The registry is written once by the operator user; Redis runs with an append-only file, so
 it survives the kills. A rogue consumer (:mod:`scd_store.bench.fault_rogue`: its own consumer user and
 public keys) attacks all run long: it claims the producer's role, signs blobs with keys of its own, plants
-symlinks and FIFOs in the consumers' disk tier, tries ``PEXPIRE key 0`` and friends, and forges suspect
-reports against genuine blobs of this generation and of the next one. Faults, at fixed fractions of
-``duration_s``:
+symlinks and FIFOs in the consumers' disk tier, tries ``PEXPIRE key 0`` and friends, forges reports (genuine
+blobs of this generation and of the next one and keys never written reported bad, every blob reported as a
+hit) and floods the instance (1 MiB hashes and strings, which its user may not write, and 1 MiB published
+reports). Redis runs with ``maxmemory`` (``volatile-lru``) and eviction events on, so a flood that got in
+would evict blobs, and the producer counts what is evicted. Faults, at fixed fractions of ``duration_s``:
 
 - blob waves (0.15, 0.35, 0.55): blobs in Redis corrupted (one flipped byte), forged (well formed,
   signed with another key) and moved (a genuine blob under another chunk's key);
@@ -21,8 +23,9 @@ reports against genuine blobs of this generation and of the next one. Faults, at
 The report counts what was injected, what the processes detected (their counters), what became of
 each injected blob (repaired, gone, still there), requests completed and failed, garbage decodes
 (chunks served whose bytes are not their key's payload: must be 0), what the rogue got through (must
-be nothing), whether every blob it reported is still there and genuine, and whether every put the
-producer acknowledged is in Redis at the end or counted as lost.
+be nothing), whether every blob it reported is still there and genuine (and every key it reported that was never written
+still absent), and whether every put the producer acknowledged is in Redis at the end or counted as lost or
+evicted.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ class FaultSoakConfig:
     outage_s: float = 2.0
     registry_refresh_s: float = 0.5
     ttl_s: float = 3600.0
+    maxmemory: int = 64 << 20  # the blobs' instance: room for the run's blobs, not for a flood
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -75,8 +79,9 @@ class FaultSoakConfig:
 class _Redis:
     """The soak's redis-server: ACL users from a file and an append-only file, so a kill loses neither."""
 
-    def __init__(self, work: Path) -> None:
+    def __init__(self, work: Path, maxmemory: int) -> None:
         self.work = work
+        self.maxmemory = maxmemory
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
         self.users = {"operator": ("scd-operator", "op-pw", None), "producer": ("scd-producer", "prod-pw", SPACE),
@@ -90,7 +95,9 @@ class _Redis:
         from scd_store.bench.store import _start_redis
 
         self.proc, self.port = _start_redis(self.work, self.port or None, (
-            "--appendonly", "yes", "--appendfsync", "always", "--aclfile", str(self.work / "users.acl")))
+            "--appendonly", "yes", "--appendfsync", "always", "--aclfile", str(self.work / "users.acl"),
+            "--maxmemory", str(self.maxmemory), "--maxmemory-policy", "volatile-lru",
+            "--notify-keyspace-events", "Ee", "--client-output-buffer-limit", "pubsub 8mb 2mb 60"))
 
     def kill(self) -> None:
         if self.proc is not None:
@@ -193,7 +200,7 @@ def run_fault_soak(config: FaultSoakConfig) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="scd-soak-") as tmp:
         work = Path(tmp)
         private, public = deployment_keys(work / "keys")
-        redis = _Redis(work)
+        redis = _Redis(work, config.maxmemory)
         redis.start()
         disk = work / "disk"
         mounted = _mount_tmpfs(disk, 16 << 20)
@@ -255,6 +262,7 @@ def run_fault_soak(config: FaultSoakConfig) -> dict[str, Any]:
         verifier = Keyring(public)
         outcomes = injector.outcomes(config.payload_bytes, verifier)
         integrity = _integrity(injector, reports, next_generation, config.payload_bytes, verifier)
+        integrity["redis_evicted_keys"] = int(injector.client.info("stats").get("evicted_keys", 0))
         injector.client.close()
         operator.close()
         redis.kill()
@@ -275,13 +283,17 @@ def _integrity(injector: _Injector, reports: list[dict[str, Any]], next_generati
     next_kept = sum(injector.client.get(k) is not None for k in next_generation)
     acknowledged = producer.get("acknowledged", [])
     missing = [k for k in acknowledged if not injector.client.exists(k)]
-    lost = producer.get("tier_counters", {}).get("redis", {}).get("lost_writes", 0)
+    redis_counters = producer.get("tier_counters", {}).get("redis", {})
+    lost = redis_counters.get("lost_writes", 0) + redis_counters.get("evicted_blobs", 0)
+    absent = rogue.get("reported_absent", [])
     return {"rogue_attacks": rogue.get("attacks", {}),
             "rogue_got_through": sum(a["got_through"] for a in rogue.get("attacks", {}).values()),
             "reported_genuine": sum(injector.client.exists(k) > 0 for k in this_generation), "reported_kept": kept,
             "next_generation_blobs": len(next_generation), "next_generation_kept": next_kept,
+            "reported_absent": len(absent),
+            "reported_absent_written": sum(injector.client.exists(k) > 0 for k in absent),
             "acknowledged_puts": len(acknowledged), "acknowledged_missing_in_redis": len(missing),
-            "counted_lost_in_redis": lost, "lost_uncounted": max(0, len(missing) - lost)}
+            "counted_lost_or_evicted_in_redis": lost, "lost_uncounted": max(0, len(missing) - lost)}
 
 
 def _report(config: FaultSoakConfig, codes: list[int], reports: list[dict[str, Any]], injected: dict[str, Any],
@@ -300,6 +312,8 @@ def _report(config: FaultSoakConfig, codes: list[int], reports: list[dict[str, A
         "quarantined_by_producer": total("quarantined_blobs", [producer]),
         "repaired_by_producer": total("repaired_blobs", [producer]),
         "refused_reports": total("refused_reports", [producer]), "ttl_refreshes": total("ttl_refreshes", [producer]),
+        "refused_refreshes": total("refused_refreshes", [producer]),
+        "evicted_blobs": total("evicted_blobs", [producer]),
         "rogue_unsigned_puts": total("unsigned_puts", reports[-1:]),
         "redis_incidents": sum(r.get("incidents", {}).get("redis", 0) for r in reports[:-1]),  # not the rogue's
         "disk_errors": producer.get("tier_counters", {}).get("disk", {}).get("tier_errors", 0) if mounted else 0,
@@ -310,7 +324,7 @@ def _report(config: FaultSoakConfig, codes: list[int], reports: list[dict[str, A
           and max(refusal_delays, default=0.0) < config.registry_refresh_s + 2.0
           and integrity["rogue_got_through"] == 0 and integrity["reported_kept"] == integrity["reported_genuine"]
           and integrity["next_generation_kept"] == integrity["next_generation_blobs"]
-          and integrity["lost_uncounted"] == 0)
+          and integrity["lost_uncounted"] == 0 and integrity["reported_absent_written"] == 0)
     return {
         "ok": ok, "garbage_decodes": garbage, "injected": injected, "detected": detected, "outcomes": outcomes,
         "integrity": integrity,

@@ -52,7 +52,8 @@ def build_tier(cfg: TierConfig, store_timeout_s: float | None = None) -> Tier | 
         deadline = cfg.op_timeout_s if cfg.op_timeout_s is not None else store_timeout_s
         socket = {"socket_timeout": float(deadline)} if deadline is not None else {}
         return RedisTier(str(cfg.url), ttl_s=cfg.ttl_s, max_value_bytes=int(cfg.max_value_bytes),
-                         server_maxmemory=int(cfg.max_bytes) if cfg.apply_server_maxmemory else None, **socket)
+                         server_maxmemory=int(cfg.max_bytes) if cfg.apply_server_maxmemory else None,
+                         max_lifetime_s=cfg.max_lifetime_s, **socket)
     import torch
 
     if not torch.cuda.is_available():
@@ -144,5 +145,6 @@ def open_store(config: StoreConfig | None = None, *, registry: Registry | None =
                        backoff_max_s=config.retry_backoff_max_s,
                        stats_sink=sink, keyring=keyring_for(config, stats=stats),
                        registry_refresh_s=config.registry_refresh_s, repair_s=config.repair_s,
+                       repair_rate=config.repair_rate,
                        stats_flush_s=config.stats_flush_s,
                        tier_timeouts={t.name: float(c.op_timeout_s) for c, t in pairs if c.op_timeout_s is not None})

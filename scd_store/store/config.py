@@ -50,6 +50,7 @@ STORE_ENV: dict[str, str] = {  # variable -> StoreConfig field
     "SCD_STORE_ALLOW_UNSIGNED": "allow_unsigned",
     "SCD_STORE_REGISTRY_REFRESH_S": "registry_refresh_s",
     "SCD_STORE_REPAIR_S": "repair_s",
+    "SCD_STORE_REPAIR_RATE": "repair_rate",
     "SCD_STORE_STATS_FLUSH_S": "stats_flush_s",
 }
 TIER_ENV: dict[str, tuple[str, str]] = {  # variable -> (tier kind, TierConfig field), for every tier of that kind
@@ -83,6 +84,7 @@ TIER_ENV: dict[str, tuple[str, str]] = {  # variable -> (tier kind, TierConfig f
     REDIS_URL_ENV: ("redis", "url"),
     "SCD_STORE_REDIS_QUEUE_SIZE": ("redis", "queue_size"),
     "SCD_STORE_REDIS_MAX_VALUE_BYTES": ("redis", "max_value_bytes"),
+    "SCD_STORE_REDIS_MAX_LIFETIME_S": ("redis", "max_lifetime_s"),
 }
 
 
@@ -134,6 +136,7 @@ class TierConfig:
     publish: bool = True
     transfer: str = "auto"
     op_timeout_s: float | None = None
+    max_lifetime_s: float | None = None
     queue_size: int = defaults.QUEUE_SIZE
     writers: int = defaults.WRITERS
 
@@ -157,6 +160,9 @@ class TierConfig:
             parse_redis_url(self.url)
         if self.ttl_s is not None and float(self.ttl_s) <= 0:
             raise ConfigError(f"{self.kind} tier: ttl_s must be > 0 or null")
+        if self.max_lifetime_s is not None and (self.kind != "redis" or self.ttl_s is None
+                                                or float(self.max_lifetime_s) < float(self.ttl_s)):
+            raise ConfigError(f"{self.kind} tier: max_lifetime_s is a redis tier's, with a ttl_s no longer than it")
         if self.op_timeout_s is not None and float(self.op_timeout_s) <= 0:
             raise ConfigError(f"{self.kind} tier: op_timeout_s must be > 0 or null")
         if self.transfer not in ("auto", "nixl", "copy"):
@@ -194,6 +200,7 @@ class StoreConfig:
     allow_unsigned: bool = False
     registry_refresh_s: float = defaults.REGISTRY_REFRESH_S
     repair_s: float = defaults.REPAIR_S
+    repair_rate: float = defaults.REPAIR_RATE
     stats_flush_s: float = defaults.STATS_FLUSH_S
 
     def __post_init__(self) -> None:
@@ -208,7 +215,8 @@ class StoreConfig:
             validate_chunk_size(self.chunk_size)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
-        for name in ("op_timeout_s", "put_timeout_s", "retry_backoff_min_s", "retry_backoff_max_s", "stats_flush_s"):
+        for name in ("op_timeout_s", "put_timeout_s", "retry_backoff_min_s", "retry_backoff_max_s", "stats_flush_s",
+                     "repair_rate"):
             if float(getattr(self, name)) <= 0:
                 raise ConfigError(f"{name} must be > 0")
         if self.retry_backoff_max_s < self.retry_backoff_min_s:

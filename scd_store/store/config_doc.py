@@ -40,6 +40,8 @@ STORE_DOCS = {
                           "effect within this (0: never)",
     "repair_s": "how often a producer takes what readers reported on the shared tiers (bad blobs to delete and "
                 "rewrite, verified hits whose TTL it refreshes; 0: never)",
+    "repair_rate": "blobs a producer rewrites per second at most on readers' reports (the rest wait for a later "
+                   "round, `deferred_repairs`); a key is rewritten at most once a minute",
     "stats_flush_s": "how often this process's counters go to the stats sink (Redis or its snapshot file)",
 }
 TIER_DOCS = {
@@ -53,6 +55,9 @@ TIER_DOCS = {
     "ttl_s": "Redis: expire blobs after this many seconds, refreshed by the producer from the hits readers "
              "report (null: never); with `maxmemory-policy volatile-lru` only keys with a TTL are evicted, never "
              "the registry",
+    "max_lifetime_s": "Redis: the longest a blob lives however often readers report hits on it, counted from when "
+                      "its producer wrote it (default: 8 x `ttl_s`; at least `ttl_s`); the producer refreshes the "
+                      "TTL only of blobs it wrote itself, up to this",
     "max_value_bytes": "largest blob the tier accepts or reads (Redis, disk, peers; larger ones are never written "
                        "there, `oversized_writes`, and a larger one found there is a miss)",
     "apply_server_maxmemory": "Redis: set the server's `maxmemory` to `max_bytes`",

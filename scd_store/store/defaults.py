@@ -14,4 +14,5 @@ BACKOFF_MIN_S = 0.1  # first retry delay of a failed tier
 BACKOFF_MAX_S = 5.0  # longest retry delay of a failed tier
 REGISTRY_REFRESH_S = 2.0  # how often the registry's version is checked
 REPAIR_S = 1.0  # how often a producer takes readers' reports from the shared tiers
+REPAIR_RATE = 64.0  # blobs a producer rewrites per second at most on readers' reports
 STATS_FLUSH_S = 1.0  # how often counters go to the stats sink

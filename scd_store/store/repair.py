@@ -1,22 +1,35 @@
-"""The producer's repair of the shared tiers: what readers reported there, taken and acted on.
+"""The producer's repair of the shared tiers: what readers reported there, checked against what the producer can
+verify itself, and acted on within bounds readers cannot move.
 
 Readers never delete from a shared tier (Redis, peers) nor refresh a TTL there: they report bad keys
 (``report_suspects``) and verified hits (``report_hits``). The space's producer takes both in each round of
 :class:`ProducerRepair`: it keeps only reported keys of its own space generation (the rest is
-``refused_reports``), verifies each reported bad key itself, deletes what is bad (never a blob of another
-generation or codec: that is a miss, not damage) and rewrites it from its own tiers; what it has no copy of
-is then absent, so its engine stores it again. It refreshes the TTL of the reported hits
-(``ttl_refreshes``), so only blobs readers verified live on; the tier's TTL ends the rest. A report is
-removed only once it was processed: a tier failing midway leaves the rest for the next round. Rounds run
-every ``repair_s`` over every space the store writes (:meth:`ProducerRepair.run`).
+``refused_reports``) and trusts none of them:
+
+- **Suspects.** It reads each reported key itself: a blob that is there and bad is deleted
+  (``quarantined_blobs``) and rewritten from a verified copy in its own tiers (``repaired_blobs``); a blob
+  that is intact (a false report) or another generation's is left alone; a key that is not there is no damage
+  (evicted, expired): a report of it is refused, and only a key this producer deleted itself and could not
+  rewrite yet is written again. Rewrites spend a budget of ``rewrite_rate`` per second (the rest wait for a
+  later round: ``deferred_repairs``) and a key is rewritten at most once per :data:`REWRITE_COOLDOWN_S`.
+- **Hits.** It refreshes the TTL of a reported hit only for a blob it wrote itself (its
+  :class:`~scd_store.store.births.Births`), at most once per quarter TTL, and never past the tier's
+  ``max_lifetime`` counted from when it wrote the blob (``refused_refreshes`` otherwise): however readers
+  report, an unused blob expires within its lifetime.
+
+A report is removed only once it was processed: a tier failing midway leaves the rest for the next round.
+Rounds run every ``repair_s`` over every space the store writes (:meth:`ProducerRepair.run`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
+from scd_store.store.births import Births
 from scd_store.store.guard import TierGuard
 from scd_store.store.keyring import Keyring
 from scd_store.store.keys import KeyError_, parse_key
@@ -26,18 +39,69 @@ from scd_store.store.tiers.base import Tier
 from scd_store.store.verify import blob_state
 
 log = logging.getLogger("scd_store.store")
+REWRITE_COOLDOWN_S = 60.0  # a key is rewritten at most once per this long
+MAX_QUARANTINED = 65536  # keys deleted and not yet rewritten that are remembered
+
+
+class RewriteBudget:
+    """Rewrites a producer may make: ``rate`` per second (a token bucket of one second's worth), each key at most
+    once per ``cooldown_s``; and the keys it deleted itself, owed a rewrite."""
+
+    def __init__(self, rate: float, cooldown_s: float = REWRITE_COOLDOWN_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if rate <= 0:
+            raise ValueError(f"the rewrite rate must be positive, got {rate}")
+        self.rate, self.cooldown_s, self.clock = rate, cooldown_s, clock
+        self._tokens, self._at = rate, clock()
+        self._last: OrderedDict[str, float] = OrderedDict()
+        self.owed: OrderedDict[str, None] = OrderedDict()  # deleted as bad, not rewritten yet
+
+    def owe(self, keys: Iterable[str]) -> None:
+        for key in keys:
+            self.owed[key] = None
+            self.owed.move_to_end(key)
+        while len(self.owed) > MAX_QUARANTINED:
+            self.owed.popitem(last=False)
+
+    def take(self, keys: Sequence[str]) -> tuple[list[str], list[str]]:
+        """``(allowed, deferred)``: the keys the budget allows now, and those left for a later round."""
+        now = self.clock()
+        self._tokens = min(self.rate, self._tokens + (now - self._at) * self.rate)
+        self._at = now
+        allowed: list[str] = []
+        deferred: list[str] = []
+        for key in keys:
+            last = self._last.get(key)
+            if self._tokens < 1 or (last is not None and now - last < self.cooldown_s):
+                deferred.append(key)
+                continue
+            self._tokens -= 1
+            allowed.append(key)
+        return allowed, deferred
+
+    def done(self, keys: Iterable[str]) -> None:
+        """``keys`` were rewritten now."""
+        now = self.clock()
+        for key in keys:
+            self.owed.pop(key, None)
+            self._last[key] = now
+            self._last.move_to_end(key)
+        while self._last and now - next(iter(self._last.values())) > self.cooldown_s:
+            self._last.popitem(last=False)
 
 
 class ProducerRepair:
     """Rounds over ``tiers``' shared ones for every space ``spaces()`` names (the spaces this store writes)."""
 
     def __init__(self, tiers: Sequence[Tier], guard: TierGuard, stats: StoreStats, keyring: Keyring | None,
-                 spaces: Callable[[], Iterable[Space]]) -> None:
+                 spaces: Callable[[], Iterable[Space]], births: Births, rewrite_rate: float) -> None:
         self.tiers = list(tiers)
         self.guard = guard
         self.stats = stats
         self.keyring = keyring
         self.spaces = spaces
+        self.births = births
+        self.budget = RewriteBudget(rewrite_rate)
 
     async def run(self, every_s: float) -> None:
         """A round over every space each ``every_s`` seconds, until cancelled."""
@@ -57,9 +121,8 @@ class ProducerRepair:
         return quarantined, repaired
 
     async def round(self, space: Space, limit: int = 256, hits_limit: int = 4096) -> tuple[int, int]:
-        """One round over each shared tier: up to ``limit`` keys readers reported bad (verified here, deleted
-        when bad, rewritten from a good copy in this host's tiers), then up to ``hits_limit`` reported hits
-        (their TTL refreshed). Returns ``(quarantined, repaired)``."""
+        """One round over each shared tier: up to ``limit`` keys readers reported bad, then up to ``hits_limit``
+        reported hits. Returns ``(quarantined, repaired)``."""
         quarantined = repaired = 0
         for ti, tier in enumerate(self.tiers):
             if not tier.shared:
@@ -80,13 +143,15 @@ class ProducerRepair:
             except KeyError_:
                 ok = False
             (mine if ok else refused).append(key)
-        if refused:
-            self.stats.inc("refused_reports", len(refused), tier=tier.name, space=space.space_id)
-            log.debug("refused %d reported keys in tier %s outside %s", len(refused), tier.name, space.scope)
+        self._refused(tier, space, len(refused))
         return mine, refused
 
+    def _refused(self, tier: Tier, space: Space, n: int) -> None:
+        if n:
+            self.stats.inc("refused_reports", n, tier=tier.name, space=space.space_id)
+
     async def _suspects(self, ti: int, tier: Tier, space: Space, limit: int) -> tuple[int, int, set[str]]:
-        """Verify, quarantine and rewrite the keys readers reported bad in tier ``ti``."""
+        """Verify, quarantine and rewrite (within the budget) the keys readers reported bad in tier ``ti``."""
         scope = space.scope
         reported = await self.guard.call(tier, "suspects", lambda: tier.reports("suspects", scope, limit), None)
         if not reported:
@@ -96,25 +161,31 @@ class ProducerRepair:
         bad: list[str] = []
         values = await self.guard.call(tier, "get", lambda: tier.get_many(mine), None) if mine else None
         if values is not None:
-            absent: list[str] = []
+            owed: list[str] = []
             for key, value in zip(mine, values, strict=True):
                 state = "absent" if value is None else blob_state(key, value, space, self.keyring)
                 if state == "bad":
                     bad.append(key)
-                elif state == "absent":
-                    absent.append(key)
-                else:  # intact (a false report, or repaired already) or foreign: left alone
+                elif state == "absent" and key in self.budget.owed:
+                    owed.append(key)  # deleted by this producer earlier, its rewrite still owed
+                else:  # intact (a false report), foreign, or absent (no damage: evicted or expired)
                     done.append(key)
+                    if state == "absent":
+                        self._refused(tier, space, 1)
             deleted = not bad or await self.guard.call(tier, "delete", lambda: tier.delete_many(bad), None) is not None
             if bad and deleted:
                 quarantined = len(bad)
+                self.budget.owe(bad)
                 self.stats.inc("quarantined_blobs", quarantined, tier=tier.name, space=space.space_id)
-            # what this round deleted, or an earlier one deleted and could not rewrite: from a good copy here
-            fixable = [*(bad if deleted else []), *absent]
-            fixes = await self._good_copies(space, ti, fixable) if fixable else []
+            allowed, deferred = self.budget.take([*(bad if deleted else []), *owed])
+            if deferred:
+                self.stats.inc("deferred_repairs", len(deferred), tier=tier.name, space=space.space_id)
+            fixes = await self._good_copies(space, ti, allowed) if allowed else []
             if not fixes or await self.guard.call(tier, "put", lambda: tier.put_many(fixes), False, success=True):
                 repaired = len(fixes)
-                done += fixable
+                self.budget.done(k for k, _ in fixes)
+                self.births.wrote(k for k, _ in fixes)
+                done += allowed  # rewritten, or no good copy here (its engine stores the chunk again)
         if repaired:
             self.stats.inc("repaired_blobs", repaired, tier=tier.name, space=space.space_id)
         if done:  # only what was processed: the rest is taken again next round
@@ -122,14 +193,28 @@ class ProducerRepair:
         return quarantined, repaired, set(bad)
 
     async def _hits(self, tier: Tier, space: Space, limit: int, bad: set[str]) -> None:
-        """Refresh the TTL of reported hits of ``space`` (never of a blob this round found bad)."""
+        """Refresh the TTL of reported hits of ``space`` that this producer wrote itself, within their lifetime
+        (never of a blob this round found bad)."""
         scope = space.scope
         reported = await self.guard.call(tier, "hits", lambda: tier.reports("hits", scope, limit), None)
         if not reported:
             return
         mine, refused = self._own(tier, space, reported)
-        mine = [k for k in mine if k not in bad]
-        refreshed = await self.guard.call(tier, "touch", lambda: tier.touch_many(mine), None) if mine else 0
+        ttl_ms = getattr(tier, "ttl_ms", None) or 0  # a tier that expires says its TTL and blobs' longest life
+        lifetime = getattr(tier, "max_lifetime_ms", None)
+        keys: list[str] = []
+        ttls: list[int] = []
+        unknown = 0
+        for key in mine:
+            ttl = None if key in bad or not ttl_ms else self.births.ttl_for(key, ttl_ms, lifetime, ttl_ms // 4)
+            if ttl is None:
+                unknown += 1
+            elif ttl > 0:
+                keys.append(key)
+                ttls.append(ttl)
+        if unknown:
+            self.stats.inc("refused_refreshes", unknown, tier=tier.name, space=space.space_id)
+        refreshed = await self.guard.call(tier, "touch", lambda: tier.touch_many(keys, ttls), None) if keys else 0
         if refreshed:
             self.stats.inc("ttl_refreshes", refreshed, tier=tier.name, space=space.space_id)
         done = refused if refreshed is None else reported  # a failed refresh keeps its reports for next round

@@ -46,8 +46,16 @@ COUNTERS: dict[str, str] = {
     "unsafe_files": "disk tier entries that are no regular file (symlinks, FIFOs, devices) or larger than its "
                     "bound: a miss, removed",
     "ttl_refreshes": "blob TTLs a producer refreshed from the hits its readers reported",
-    "refused_reports": "reported keys (hits or bad blobs) outside the reporter's space generation, or malformed: "
-                       "ignored",
+    "refused_refreshes": "reported hits whose TTL a producer did not refresh: blobs it did not write itself (or no "
+                         "longer remembers), or at the end of their max_lifetime_s",
+    "refused_reports": "reported keys (hits or bad blobs) outside the reporter's space generation, malformed, or "
+                       "reported bad where nothing is stored (no damage): ignored",
+    "dropped_reports": "reported keys a producer's inbox had no room for (it keeps 8,192 per kind and space "
+                       "generation): dropped",
+    "deferred_repairs": "bad blobs a producer deleted whose rewrite waits for a later round (its repair_rate is "
+                        "spent, or the key was rewritten less than a minute ago)",
+    "evicted_blobs": "blobs of a producer's space generations that Redis evicted (keyspace events, with "
+                     "notify-keyspace-events Ee on the server)",
     "refused_locations": "peer directory entries a reader refused: unsigned, forged, moved, bound to another "
                          "source info, malformed or out of bounds (a miss, never read)",
     "refilled_chunks": "chunks a producer's engine served from its own prefix cache that the store had lost: "

@@ -24,6 +24,7 @@ import logging
 from collections.abc import Mapping, Sequence
 
 from scd_store.store import defaults
+from scd_store.store.births import Births
 from scd_store.store.guard import TierGuard
 from scd_store.store.keyring import Keyring
 from scd_store.store.keys import space_of, validate_chunk_size
@@ -58,7 +59,7 @@ class TieredStore:
                  backoff_max_s: float = defaults.BACKOFF_MAX_S, stats_sink: StatsSink | None = None,
                  stats_flush_s: float = defaults.STATS_FLUSH_S, tier_timeouts: Mapping[str, float] | None = None,
                  keyring: Keyring | None = None, registry_refresh_s: float = defaults.REGISTRY_REFRESH_S,
-                 repair_s: float = defaults.REPAIR_S) -> None:
+                 repair_s: float = defaults.REPAIR_S, repair_rate: float = defaults.REPAIR_RATE) -> None:
         if not tiers:
             raise ValueError("the store needs at least one tier")
         names = [t.name for t in tiers]
@@ -89,13 +90,16 @@ class TieredStore:
                         self.stats.inc(name, n, tier=t, space=space), produces=self.produces)
         self.registry_cache = RegistryCache(registry, self.stats, registry_refresh_s)
         self.stats_flusher = StatsFlusher(stats_sink, self.stats, stats_flush_s)
-        self.repairs = ProducerRepair(self.tiers, self.guard, self.stats, keyring, self.registry_cache.written)
+        self.births = Births()
+        self.repairs = ProducerRepair(self.tiers, self.guard, self.stats, keyring, self.registry_cache.written,
+                                      self.births, repair_rate)
         self._repair_task: asyncio.Task[None] | None = None
         self._loop = LoopThread()
         self.read = ReadPath(self.tiers, self.guard, self.stats, self._loop, self.write_behind, keyring)
         self.writer = StoreWriter(self.tiers, self.guard, self.stats, self._loop, self.write_behind,
-                                  keyring=keyring, put_timeout_s=put_timeout_s)
+                                  keyring=keyring, put_timeout_s=put_timeout_s, births=self.births)
         self._closed = False
+        self._watched: set[str] = set()
         try:
             self._loop.run(self._start(), timeout=max(30.0, op_timeout_s))
         except BaseException:
@@ -167,6 +171,11 @@ class TieredStore:
         """The write face of one producer into its own space generation (checked against the registry;
         :class:`~scd_store.store.records.NotRegistered` once revoked)."""
         space = self.registry_cache.space(space_id, producer_model_id, fingerprint)
+        if space.scope not in self._watched:  # its readers' reports reach this store from now on
+            self._watched.add(space.scope)
+            for tier in self.tiers:
+                if tier.shared:
+                    self._loop.loop.call_soon_threadsafe(tier.watch_reports, space.scope)
         return ProducerView(self.writer, self.read, space, producer_model_id)
 
     def consumer(self, pair_id: str, consumer_model_id: str, space_fingerprint: str) -> ConsumerView:

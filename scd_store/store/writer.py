@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import Sequence
 
+from scd_store.store.births import Births
 from scd_store.store.blob import BlobMeta, encode_blob
 from scd_store.store.guard import TierGuard
 from scd_store.store.keyring import Keyring
@@ -25,7 +26,8 @@ class StoreWriter:
     """Writes blobs into ``tiers``: the top one now, the lower ones through ``write_behind``."""
 
     def __init__(self, tiers: Sequence[Tier], guard: TierGuard, stats: StoreStats, loop: LoopThread,
-                 write_behind: WriteBehind, *, keyring: Keyring | None, put_timeout_s: float) -> None:
+                 write_behind: WriteBehind, *, keyring: Keyring | None, put_timeout_s: float,
+                 births: Births | None = None) -> None:
         self.tiers = list(tiers)
         self.guard = guard
         self.stats = stats
@@ -33,6 +35,7 @@ class StoreWriter:
         self.write_behind = write_behind
         self.keyring = keyring
         self.put_timeout_s = put_timeout_s
+        self.births = births if births is not None else Births()  # what this producer wrote, and when
         self._incidents = Incidents(stats, log)
 
     def write(self, space: Space, keys: Sequence[str], payloads: Sequence[bytes], token_counts: Sequence[int],
@@ -67,6 +70,7 @@ class StoreWriter:
         stored = self._put_top(top, fits, space.space_id)
         if len(self.tiers) > 1:
             self.loop.run(self.write_behind.enqueue(items, space.space_id), timeout=self.put_timeout_s + 5.0)
+        self.births.wrote(stored)
         self.stats.inc("puts", len(stored), space=space.space_id)
         self.stats.observe("put", time.perf_counter() - t0)
         return stored

@@ -132,10 +132,15 @@ class Tier(ABC):
 
     # shared tiers only: readers may neither delete nor expire there, so they report to the space's producer,
     # which verifies what readers found bad and refreshes the TTL of the hits they reported (ProducerRepair)
-    async def touch_many(self, keys: Sequence[str]) -> int:
-        """The producer's refresh of the TTL of ``keys`` (a tier with a TTL); how many it refreshed (keys
-        that are gone are not brought back). Default: none."""
+    async def touch_many(self, keys: Sequence[str], ttls_ms: Sequence[int] | None = None) -> int:
+        """The producer's refresh of the TTL of ``keys`` (a tier with a TTL) to ``ttls_ms`` (default: the tier's
+        TTL; never longer); how many it refreshed (keys that are gone are not brought back). Default: none."""
         return 0
+
+    def watch_reports(self, scope: str) -> None:
+        """A producer of ``scope`` (``{space_id}:{generation}``) listens for its readers' reports from now on
+        (called on the store's loop); default: nothing."""
+        return None
 
     async def report_hits(self, scope: str, keys: Sequence[str]) -> None:
         """Note verified hits of ``scope`` (``{space_id}:{generation}``), so its producer refreshes their TTL;

@@ -1,27 +1,22 @@
 """The Redis tier: shared, remote blobs through redis-py asyncio (hiredis parser when installed).
 
 Each blob is written with ONE ``SET`` (optionally with a TTL), which Redis applies atomically: a
-reader sees the whole old value, the whole new value or nothing. Readers may neither delete nor
-expire a blob (their ACL user has no command that could): they report to the space's producer in
-two hashes readers may write, each with a TTL (:data:`REPORT_TTL_S`, refreshed by every report):
-
-- ``scd:__stats__:hits:{space}:{generation}``: verified hits (key -> unix time); the producer refreshes
-  those blobs' TTL (``PEXPIRE`` with the tier's TTL), so blobs in use stay and the rest expire;
-- ``scd:__stats__:suspects:{space}:{generation}``: keys readers found bad; the producer verifies them
-  itself and deletes or repairs them.
-
-The producer reads either with ``HSCAN`` (bounded per round) and removes a report (``HDEL``) only
-once it processed it (:class:`~scd_store.store.repair.ProducerRepair`). Values above
-``max_value_bytes`` are refused (counted in ``rejected``). A total byte budget is the server's job:
-``maxmemory`` with ``maxmemory-policy volatile-lru``, which evicts only keys with a TTL (blobs,
-counters, reports), never the registry (docs/store.md). The tier changes no server setting unless
-``server_maxmemory`` asks it to (``CONFIG SET`` needs an admin user).
+reader sees the whole old value, the whole new value or nothing. Readers may neither delete, expire
+nor write anything in this instance (their ACL user has no command that could): they publish their
+reports to the space's producer (:mod:`~scd_store.store.tiers.redis_reports`: verified hits, whose TTL
+the producer may refresh, and keys they found bad, which it verifies itself and repairs), and Redis
+stores none of it. The producer's tier subscribes (:meth:`RedisTier.watch_reports`), keeps the reports
+in a bounded inbox until the repair round takes them, and counts evictions of its blobs
+(``evicted_blobs``, with ``notify-keyspace-events Ee`` on the server). Values above ``max_value_bytes``
+are refused (counted in ``rejected``). A total byte budget is the server's job: ``maxmemory`` with
+``maxmemory-policy volatile-lru``, which evicts only keys with a TTL (blobs), never the registry
+(docs/store.md). The tier changes no server setting unless ``server_maxmemory`` asks it to
+(``CONFIG SET`` needs an admin user).
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -30,14 +25,10 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from scd_store.store.redis_url import make_async_client, parse_redis_url
 from scd_store.store.tiers.base import Tier, TierUsage
+from scd_store.store.tiers.redis_reports import ReportInbox, channel_of, report_messages
 
 T = TypeVar("T")
-SUSPECTS = "scd:__stats__:suspects"  # + ":{space_id}:{generation}": keys readers found bad (key -> unix time)
-HITS = "scd:__stats__:hits"  # + ":{space_id}:{generation}": verified hits whose TTL to refresh (key -> unix time)
-REPORTS = {"hits": HITS, "suspects": SUSPECTS}
-REPORT_TTL_S = 24 * 3600  # a report hash no producer takes ends (refreshed by every report)
-SCAN_COUNT = 512  # fields per HSCAN call
-MAX_SCAN_CALLS = 64  # HSCAN calls per reports() call, whatever the hash holds
+LIFETIME_TTLS = 8  # the default longest life of a blob whose TTL its producer refreshes, in TTLs
 
 
 class RedisTier(Tier):
@@ -48,13 +39,18 @@ class RedisTier(Tier):
 
     def __init__(self, url: str, *, ttl_s: float | None = None, max_value_bytes: int = 512 << 20,
                  server_maxmemory: int | None = None, maxmemory_policy: str = "volatile-lru",
-                 socket_timeout: float = 2.0, connect_timeout: float = 1.0, name: str | None = None) -> None:
+                 socket_timeout: float = 2.0, connect_timeout: float = 1.0, name: str | None = None,
+                 max_lifetime_s: float | None = None) -> None:
         super().__init__(name)
         self.target = parse_redis_url(url)
         if ttl_s is not None and ttl_s <= 0:
             raise ValueError(f"redis tier ttl_s must be > 0 or None, got {ttl_s}")
+        if max_lifetime_s is not None and (ttl_s is None or max_lifetime_s < ttl_s):
+            raise ValueError(f"redis tier max_lifetime_s ({max_lifetime_s}) needs a ttl_s no longer than it")
         self.ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
         self.expires = self.ttl_ms is not None
+        lifetime = max_lifetime_s if max_lifetime_s is not None else None if ttl_s is None else LIFETIME_TTLS * ttl_s
+        self.max_lifetime_ms = None if lifetime is None else int(lifetime * 1000)
         self.max_value_bytes: int | None = max_value_bytes
         self.server_maxmemory = server_maxmemory
         self.maxmemory_policy = maxmemory_policy
@@ -62,6 +58,7 @@ class RedisTier(Tier):
         self._client: Any = None
         self.rejected = 0
         self.bytes_written = 0
+        self.inbox: ReportInbox | None = None  # the producer's subscription, from its first watch_reports()
 
     @property
     def client(self) -> Any:
@@ -81,6 +78,8 @@ class RedisTier(Tier):
             await self.client.config_set("maxmemory-policy", self.maxmemory_policy)
 
     async def close(self) -> None:
+        if self.inbox is not None:
+            await self.inbox.close()
         if self._client is not None:
             client, self._client = self._client, None
             await client.aclose()
@@ -173,29 +172,31 @@ class RedisTier(Tier):
             return 0
         return int(await self._run(lambda c: c.delete(*keys)))  # the cluster client splits it by slot
 
-    async def touch_many(self, keys: Sequence[str]) -> int:
+    async def touch_many(self, keys: Sequence[str], ttls_ms: Sequence[int] | None = None) -> int:
         if self.ttl_ms is None or not keys:
             return 0
+        ttls = list(ttls_ms) if ttls_ms is not None else [self.ttl_ms] * len(keys)
+
         async def touch(client: Any) -> list[Any]:
             pipe = client.pipeline(transaction=False)
-            for key in keys:
-                pipe.pexpire(key, self.ttl_ms)  # a positive TTL; a key that is gone stays gone
+            for key, ttl in zip(keys, ttls, strict=True):
+                pipe.pexpire(key, max(1, min(int(ttl), self.ttl_ms)))  # positive; a key that is gone stays gone
             return await pipe.execute()
 
         return sum(bool(n) for n in await self._run(touch))
 
     async def _report(self, kind: str, scope: str, keys: Sequence[str]) -> None:
+        """Publish ``keys`` to ``scope``'s producer (stored nowhere in Redis)."""
         if not keys:
             return
-        name = _report_key(kind, scope)
-        stamp = str(int(time.time()))
-        async def write(client: Any) -> None:
-            pipe = client.pipeline(transaction=False)
-            pipe.hset(name, mapping=dict.fromkeys(keys, stamp))
-            pipe.expire(name, REPORT_TTL_S)
-            await pipe.execute()
+        channel = channel_of(scope)
+        messages = report_messages(kind, keys)
 
-        await self._run(write)
+        async def publish(client: Any) -> None:
+            for message in messages:
+                await client.publish(channel, message)
+
+        await self._run(publish)
 
     async def report_hits(self, scope: str, keys: Sequence[str]) -> None:
         await self._report("hits", scope, keys)
@@ -203,37 +204,21 @@ class RedisTier(Tier):
     async def report_suspects(self, scope: str, keys: Sequence[str]) -> None:
         await self._report("suspects", scope, keys)
 
-    async def reports(self, kind: str, scope: str, limit: int) -> list[str]:
-        name = _report_key(kind, scope)
-        async def scan(client: Any) -> list[str]:
-            found: dict[str, None] = {}
-            cursor = 0
-            for _ in range(MAX_SCAN_CALLS):
-                cursor, batch = await client.hscan(name, cursor, count=SCAN_COUNT)
-                for field in batch:
-                    found.setdefault(_text(field))
-                if not cursor or len(found) >= limit:
-                    break
-            return list(found)[:limit]
+    def watch_reports(self, scope: str) -> None:
+        """The producer's subscription to ``scope``'s reports (and its blobs' evictions) starts now."""
+        if self.inbox is None:
+            self.inbox = ReportInbox(lambda: self.client.pubsub(), self.target.db,
+                                     lambda name, n, space="": self._count(name, n, space=space))
+        self.inbox.watch(scope)
 
-        return await self._run(scan) if limit > 0 else []
+    async def reports(self, kind: str, scope: str, limit: int) -> list[str]:
+        self.watch_reports(scope)
+        assert self.inbox is not None
+        return self.inbox.take(kind, scope, limit)
 
     async def clear_reports(self, kind: str, scope: str, keys: Sequence[str]) -> None:
-        if keys:
-            name = _report_key(kind, scope)
-            fields = [k.encode("utf-8", "surrogateescape") for k in keys]  # the bytes reports() read
-            await self._run(lambda c: c.hdel(name, *fields))
+        if self.inbox is not None:
+            self.inbox.clear(kind, scope, keys)
 
     def usage(self) -> TierUsage:
         return TierUsage(0, self.bytes_written, self.server_maxmemory)
-
-
-def _report_key(kind: str, scope: str) -> str:
-    if kind not in REPORTS:
-        raise ValueError(f"report kind must be one of {sorted(REPORTS)}, got {kind!r}")
-    return f"{REPORTS[kind]}:{scope}"
-
-
-def _text(field: bytes | str) -> str:
-    """A hash field as text; bytes that are no UTF-8 survive (surrogateescape), so clear_reports removes them."""
-    return field.decode("utf-8", "surrogateescape") if isinstance(field, bytes) else field
