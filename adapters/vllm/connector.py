@@ -14,7 +14,10 @@ The extra config holds the settings every scd-store adapter reads
 adapter) store their prompt's whole chunks as codes; requests of a registered consumer (the served
 model, or a LoRA adapter by its ``--lora-modules`` name) load the leading run of stored chunks,
 decoded into their own KV. A producer's chunks served by vLLM's own prefix cache are checked against
-the store off the engine's thread and stored again when it lost them (``refilled_chunks``).
+the store off the engine's thread and stored again when it lost them (``refilled_chunks``); a request
+that finishes before the answer is in has its blocks held until then (``request_finished`` returns
+True, ``get_finished`` reports it in ``finished_sending``). Hits only a remote tier holds load on
+fetch threads between steps, each within ``load_deadline_s``.
 Everyone else is a clean miss. A load that cannot be decoded is
 recomputed by vLLM, never served.
 """
@@ -33,6 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from scd_store.adapters.vllm.async_loads import load_workers
 from scd_store.adapters.vllm.engine_check import check_engine, check_groups, check_tensor_parallel
 from scd_store.adapters.vllm.hashing import chain_canary
 from scd_store.adapters.vllm.lookups import Lookups
@@ -41,7 +45,7 @@ from scd_store.adapters.vllm.ranks import rank_heads
 from scd_store.adapters.vllm.scheduler_side import SchedulerSide
 from scd_store.adapters.vllm.worker_side import WorkerSide
 from scd_store.service import EngineSettings, SettingsError, acquire_service, release_service
-from scd_store.service.defaults import LOOKUP_DEADLINE_S
+from scd_store.service.defaults import LOAD_DEADLINE_S, LOOKUP_DEADLINE_S
 from scd_store.service.hash_agreement import HashMismatch
 
 if TYPE_CHECKING:
@@ -69,6 +73,8 @@ class ScdConnector(KVConnectorBase_V1):
     skip_param = "scd_skip_load"  # kv_transfer_params key a request sets to compute its prompt itself
     async_loads = False  # set from the settings (async_loads) when the service opens
     lookup_deadline_s = LOOKUP_DEADLINE_S  # set from the settings (lookup_deadline_s) when the service opens
+    load_workers = 2  # fetch threads: set from the settings (load_workers) and vLLM's max_num_seqs
+    load_deadline_s = LOAD_DEADLINE_S  # set from the settings (load_deadline_s) when the service opens
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
@@ -100,7 +106,8 @@ class ScdConnector(KVConnectorBase_V1):
                                         async_loads=self.async_loads,
                                         lookups=self._lookups() if self.async_loads else None,
                                         ) if role == KVConnectorRole.SCHEDULER else None
-        self._worker = WorkerSide(self.service) if role == KVConnectorRole.WORKER else None
+        self._worker = WorkerSide(self.service, self.load_workers, self.load_deadline_s) \
+            if role == KVConnectorRole.WORKER else None
         log.info("scd-store vLLM connector (%s) for %r: models %s", role.name.lower(), self.served_model,
                  self.service.models())
 
@@ -110,6 +117,8 @@ class ScdConnector(KVConnectorBase_V1):
         # vLLM holds a finished request's blocks for in-flight writes only on a consumer (kv_both, kv_consumer)
         self.async_loads = settings.async_loads and self._kv_transfer_config.kv_role != "kv_producer"
         self.lookup_deadline_s = settings.lookup_deadline_s
+        self.load_workers = load_workers(settings.load_workers, self._vllm_config.scheduler_config.max_num_seqs)
+        self.load_deadline_s = settings.load_deadline_s
         return acquire_service(settings)
 
     def _lookups(self) -> Lookups:
@@ -152,12 +161,13 @@ class ScdConnector(KVConnectorBase_V1):
             self._scheduler.loads_finished(connector_output.finished_recving or ())
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Forget the request (an asynchronous load still in flight is cancelled by the next step's plan). False:
-        nothing is saved asynchronously; vLLM itself keeps the blocks of a request aborted while
+        """Forget the request (an asynchronous load still in flight is cancelled by the next step's plan). True
+        (vLLM keeps its blocks) only for a producer request whose refill check is not answered yet: a later
+        step's plan copies what the store lost out of its blocks and releases it, and the workers report it
+        once in ``finished_sending``. vLLM itself keeps the blocks of a request aborted while
         ``WAITING_FOR_REMOTE_KVS`` until the workers report its load, which they do once, cancelled or not."""
-        if self._scheduler is not None:
-            self._scheduler.finished(request)
-        return False, None
+        held = self._scheduler.finished(request, list(block_ids)) if self._scheduler is not None else False
+        return held, None
 
     # ------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -183,12 +193,17 @@ class ScdConnector(KVConnectorBase_V1):
             self._worker.count_lookups(plan)
             if plan.saves:
                 self._worker.save(plan)
+            if plan.released:  # after the saves' block copy: their blocks may be freed now
+                self._worker.release(plan.released)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """No asynchronous saves; the requests whose asynchronous loads are done (their failed blocks are in
-        this step's :meth:`get_block_ids_with_load_errors`, which vLLM asks for right after)."""
-        done = self._worker.finished_loads() if self._worker is not None else set()
-        return None, done or None
+        """The held producer requests released (vLLM frees their blocks), and the requests whose asynchronous
+        loads are done or past their deadline (their failed blocks are in this step's
+        :meth:`get_block_ids_with_load_errors`, which vLLM asks for right after)."""
+        if self._worker is None:
+            return None, None
+        done, sent = self._worker.finished_loads(), self._worker.finished_saves()
+        return sent or None, done or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.failed_blocks() if self._worker is not None else set()

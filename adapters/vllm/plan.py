@@ -73,11 +73,14 @@ class ChunkSave:
 @dataclass
 class StepPlan(KVConnectorMetadata):
     """One step's loads and saves, the consumer lookups since the last step (``(model, tokens)``,
-    counted where the loads happen so that process's hit rate is its own), and ``cancelled``: requests
+    counted where the loads happen so that process's hit rate is its own), ``cancelled``: requests
     that finished (aborted) while their asynchronous load was in flight (the worker stops it, and still
-    reports it finished once)."""
+    reports it finished once), and ``released``: finished producer requests whose blocks were held for a
+    refill check, released once this step's saves have copied their blocks (the worker reports each
+    once, as ``finished_sending``, and vLLM frees the blocks)."""
 
     loads: list[ChunkLoad] = field(default_factory=list)
     saves: list[ChunkSave] = field(default_factory=list)
     lookups: list[tuple[str, int]] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)

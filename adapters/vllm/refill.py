@@ -5,10 +5,13 @@ them, so the connector has nothing new to store; if a shared tier lost them mean
 restart, a failover, an eviction) every consumer misses for as long as the producer's cache keeps
 the prefix. :class:`Refill` asks the store whether such a prefix is still there, on a thread of its
 own (the engine's thread only reads answers that are already in), and says which chunks to store
-again. Checks of one prefix are de-duplicated: an answer is reused for ``answer_ttl_s``, and a chunk
-handed out to be stored (or stored by a request that computed it) is not handed out again for
-``saved_ttl_s``. The check is the caller's ``lookup(model, hashes)``: the leading run of ``hashes``
-the store holds for the producer ``model``.
+again. Checks of one prefix are de-duplicated: an answer that the store holds the whole prefix is
+reused for ``answer_ttl_s``; an answer that chunks are missing stays until a request takes it (or
+``missing_ttl_s``, or ``max_entries`` newer answers, drop it), so the next request for the prefix
+stores them at once, however short it is and however long after; a chunk handed out to be stored (or
+stored by a request that computed it) is not handed out again for ``saved_ttl_s``. The check is the
+caller's ``lookup(model, hashes)``: the leading run of ``hashes`` the store holds for the producer
+``model`` (a shared tier that cannot answer counts as holding them: never store again on a guess).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from scd_store.service.log_once import LogOnce
 log = logging.getLogger("scd_store.adapters.vllm")
 
 Lookup = Callable[[str, list[bytes]], int]  # (producer model, chunk hashes) -> leading run the store holds
+MISSING_TTL_S = 300.0  # how long an answer that chunks are missing waits for a request to store them
 
 
 @dataclass(slots=True)
@@ -42,10 +46,12 @@ class Refill:
     :meth:`take`); ``max_entries`` answers and as many saved chunks are remembered (oldest dropped).
     """
 
-    def __init__(self, lookup: Lookup, *, answer_ttl_s: float = 5.0, saved_ttl_s: float = 20.0,
-                 max_pending: int = 64, max_entries: int = 4096, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, lookup: Lookup, *, answer_ttl_s: float = 5.0, missing_ttl_s: float = MISSING_TTL_S,
+                 saved_ttl_s: float = 20.0, max_pending: int = 64, max_entries: int = 4096,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._lookup = lookup
         self.answer_ttl_s = answer_ttl_s
+        self.missing_ttl_s = missing_ttl_s
         self.saved_ttl_s = saved_ttl_s
         self.max_entries = max_entries
         self._clock = clock
@@ -70,7 +76,7 @@ class Refill:
         now = self._clock()
         with self._lock:
             answer = self._answers.get(key)
-            if answer is None or now - answer.at > self.answer_ttl_s:
+            if answer is None or now - answer.at > self._ttl(answer):
                 self._ask(key, model, list(hashes))
                 return None
             out = [i for i in range(answer.present, answer.total) if not self._recent((model, hashes[i]), now)]
@@ -78,6 +84,10 @@ class Refill:
                 self._mark((model, hashes[i]), now)
             answer.present = answer.total  # handed out: the next request for this prefix stores nothing
             return out
+
+    def _ttl(self, answer: _Answer) -> float:
+        """How long ``answer`` holds: chunks missing that no request took yet, until one does (bounded)."""
+        return self.missing_ttl_s if answer.present < answer.total else self.answer_ttl_s
 
     def saved(self, model: str, hashes: Sequence[bytes]) -> None:
         """Chunks a request computed and handed to the store: not to be stored again within the window."""

@@ -14,13 +14,23 @@ thread (:mod:`~scd_store.adapters.vllm.lookups`) and vLLM is answered None until
 A producer request's leading chunks that vLLM's own prefix cache held are not computed again, so
 they are not stored as they are computed; instead their presence in the store is checked off the
 engine's thread (:class:`~scd_store.adapters.vllm.refill.Refill`) and the chunks the store lost are
-stored again from the request's blocks (``refilled_chunks``), while the request still holds them, or
-at once by the next request for the prefix when it has finished.
+stored again from the request's blocks (``refilled_chunks``). A request that finishes before the
+check's answer is in (a one-token, prefill-only request finishes in the step it is scheduled) is
+*held*: :meth:`SchedulerSide.finished` says so and the connector asks vLLM to keep its blocks
+(``request_finished`` returns ``delay_free_blocks``); every later step asks for the answer again (vLLM
+keeps stepping while such requests exist, running the connector in steps with nothing to compute),
+plans the refill from the held blocks once it is in, and lists the request in the plan's ``released``;
+the worker reports it as ``finished_sending`` after that step's block copy, once, and vLLM frees its
+blocks. A request held ``refill_hold_s`` without an answer is released without a refill
+(``refill_timeouts``); at most ``max_held`` requests are held (past that a request is not held, and
+the answer waits for the next request of the prefix). Nothing else is ever held.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +41,8 @@ from scd_store.service import KVService
 from scd_store.service.hashing import chunk_hashes
 
 log = logging.getLogger("scd_store.adapters.vllm")
+REFILL_HOLD_S = 10.0  # how long a finished producer request's blocks may wait for its refill check's answer
+MAX_HELD = 64  # finished producer requests held for a refill check at once
 
 
 @dataclass(slots=True)
@@ -50,6 +62,15 @@ class _Refilling:
     model: str
     hashes: list[bytes]  # the chunks the engine's prefix cache held
     block_ids: list[int]  # the request's blocks holding them
+    preemptions: int = 0  # vLLM's count of the request's preemptions then (a preemption frees its blocks)
+
+
+@dataclass(slots=True)
+class _Held:
+    """A finished producer request whose blocks vLLM keeps until its refill check is answered."""
+
+    refilling: _Refilling
+    since: float
 
 
 def request_model(request: Any, served_model: str) -> str:
@@ -75,7 +96,8 @@ class SchedulerSide:
 
     def __init__(self, service: KVService, served_model: str, block_size: int,
                  skip_param: str = "scd_skip_load", refill: Refill | None = None, async_loads: bool = True,
-                 lookups: Lookups | None = None) -> None:
+                 lookups: Lookups | None = None, refill_hold_s: float = REFILL_HOLD_S, max_held: int = MAX_HELD,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.service = service
         self.skip_param = skip_param
         self.served_model = served_model
@@ -87,6 +109,10 @@ class SchedulerSide:
         self._lookups: list[tuple[str, int]] = []
         self._producing: dict[str, _Producing] = {}
         self._refilling: dict[str, _Refilling] = {}
+        self._held: dict[str, _Held] = {}  # finished requests whose blocks wait for their refill check
+        self.refill_hold_s = refill_hold_s
+        self.max_held = max_held
+        self._clock = clock
         # what the tiers other processes read hold (the producer's own copies do not count), on the refill's thread
         self.refill = refill if refill is not None else Refill(service.readable_by_others)
         self._counted: set[str] = set()
@@ -189,7 +215,8 @@ class SchedulerSide:
         self._producing[new_req.req_id] = _Producing(model, hashes, list(new_req.block_ids[0]), cached)
         if cached:  # the engine's own prefix cache held them: stored again if the store lost them
             blocks = cached * self.chunk_size // self.block_size
-            self._refilling[new_req.req_id] = _Refilling(model, hashes[:cached], list(new_req.block_ids[0][:blocks]))
+            self._refilling[new_req.req_id] = _Refilling(model, hashes[:cached], list(new_req.block_ids[0][:blocks]),
+                                                         getattr(request, "num_preemptions", 0))
 
     def _saves(self, req_id: str, model: str, hashes: list[bytes], chunks: list[int], block_ids: list[int],
                refill: bool = False) -> ChunkSave:
@@ -207,6 +234,28 @@ class SchedulerSide:
         if chunks:
             saves.append(self._saves(req_id, refilling.model, refilling.hashes, chunks, refilling.block_ids,
                                      refill=True))
+
+    def _release_ready(self, req_id: str, plan: StepPlan) -> None:
+        """A held request: once its check's answer is in, plan its refill (if any) and release its blocks;
+        without an answer after ``refill_hold_s``, release them without one."""
+        held = self._held[req_id]
+        refilling = held.refilling
+        chunks = self.refill.take(refilling.model, refilling.hashes)
+        if chunks is None:
+            if self._clock() - held.since < self.refill_hold_s:
+                return
+            self._incidents.count("refill_timeouts", "scd-store: a finished producer request's refill check was "
+                                  "not answered within %.0f s; its blocks are released without a refill (counted as "
+                                  "refill_timeouts; logged once)", self.refill_hold_s)
+        elif chunks:
+            plan.saves.append(self._saves(req_id, refilling.model, refilling.hashes, chunks, refilling.block_ids,
+                                          refill=True))
+        del self._held[req_id]
+        plan.released.append(req_id)
+
+    def held(self) -> set[str]:
+        """Finished requests whose blocks are held for a refill check."""
+        return set(self._held)
 
     def _save_ready(self, req_id: str, computed: int, saves: list[ChunkSave]) -> None:
         producing = self._producing[req_id]
@@ -228,6 +277,8 @@ class SchedulerSide:
         self._loads, self._lookups, self._cancelled = [], [], []
         if self.lookups is not None:
             self.lookups.new_step()
+        for req_id in list(self._held):
+            self._release_ready(req_id, plan)
         scheduled = scheduler_output.num_scheduled_tokens
         for new_req in scheduler_output.scheduled_new_reqs:
             self._start_producing(new_req)
@@ -258,15 +309,22 @@ class SchedulerSide:
         """The asynchronous loads the workers reported finished (vLLM's ``finished_recving``)."""
         self._loading.difference_update(req_ids)
 
-    def finished(self, request: Any) -> None:
+    def finished(self, request: Any, block_ids: list[int] | None = None) -> bool:
         """Forget a finished request; one whose asynchronous load is still in flight (aborted while vLLM held
         it in ``WAITING_FOR_REMOTE_KVS``) has its load cancelled by the next step's plan. vLLM keeps its blocks
-        until the workers report the load finished, which they do once, cancelled or not."""
+        until the workers report the load finished, which they do once, cancelled or not. True when the
+        request's blocks are to be held for its refill check (a producer request whose check's answer is
+        not in): a later plan releases them, and the workers report it once as ``finished_sending``. Never
+        for a request whose blocks may no longer be those its check was planned from: preempted since
+        (vLLM freed them), or ``block_ids`` (its blocks now, when given) not starting with them."""
         if request.request_id in self._loading:
             self._loading.discard(request.request_id)
             self._cancelled.append(request.request_id)
         self._producing.pop(request.request_id, None)
-        self._refilling.pop(request.request_id, None)
+        refilling = self._refilling.pop(request.request_id, None)
+        hold = refilling is not None and self._may_hold(request, refilling, block_ids)
+        if refilling is not None and hold:
+            self._held[request.request_id] = _Held(refilling, self._clock())
         self._hits.pop(request.request_id, None)
         self._requests.pop(request.request_id, None)
         if self.lookups is not None:
@@ -274,8 +332,18 @@ class SchedulerSide:
         self._counted.discard(request.request_id)
         self._planned.discard(request.request_id)
         self._unkeyed.discard(request.request_id)
+        return hold
+
+    def _may_hold(self, request: Any, refilling: _Refilling, block_ids: list[int] | None) -> bool:
+        """Whether a finished request's blocks may be held for its refill: room for it, and they are still the
+        blocks its check was planned from."""
+        return (request.request_id not in self._held and len(self._held) < self.max_held
+                and getattr(request, "num_preemptions", 0) == refilling.preemptions
+                and (block_ids is None or list(block_ids[:len(refilling.block_ids)]) == refilling.block_ids))
 
     def close(self, timeout: float = 5.0) -> bool:
-        """Stop the refill's and the lookups' threads; False when one of them is still inside the store."""
+        """Forget the held requests (the engine is shutting down) and stop the refill's and the lookups'
+        threads; False when one of them is still inside the store."""
+        self._held.clear()
         idle = self.refill.close(timeout)
         return (self.lookups.close(timeout) if self.lookups is not None else True) and idle

@@ -14,7 +14,11 @@ as they lie (a block copy, so the blocks may be reused at once) and, on a GPU, s
 pinned host memory without waiting for it (:mod:`~scd_store.adapters.vllm.host_copy`); un-packing
 them through the layout map, encoding and storing run on scd-store's put worker, off the engine's
 thread. Chunks stored again because the store had lost them
-(a save's ``refill``) are counted as ``refilled_chunks`` once stored.
+(a save's ``refill``) are counted as ``refilled_chunks`` once stored; a finished producer request whose
+blocks were held for such a refill is reported released (``finished_sending``) once the step that
+planned its refill has copied them. Every write of a load into a request's blocks runs inside its
+asynchronous load's gate (:class:`~scd_store.adapters.vllm.async_loads.Gate`), so none happens once the
+load was reported (done, cancelled or past ``load_deadline_s``).
 
 Under tensor parallelism each rank's worker holds its share of the KV heads (:class:`HeadShare`): a
 load decodes the codes (which cover every head) and keeps its rank's heads; a save from a share is
@@ -31,7 +35,7 @@ from typing import Any
 
 import torch
 
-from scd_store.adapters.vllm.async_loads import AsyncLoads
+from scd_store.adapters.vllm.async_loads import AsyncLoads, Gate, OpenGate
 from scd_store.adapters.vllm.engine_check import check_layers
 from scd_store.adapters.vllm.host_copy import to_host
 from scd_store.adapters.vllm.paged_layout import (
@@ -47,7 +51,7 @@ from scd_store.codecs.head_share import HeadShare
 from scd_store.codecs.kv_state import KVState
 from scd_store.codecs.paged import PagedCaches
 from scd_store.service import KVService, PagedTargets
-from scd_store.service.log_once import LogOnce
+from scd_store.service.log_once import Incidents, LogOnce
 
 log = logging.getLogger("scd_store.adapters.vllm")
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
@@ -66,8 +70,11 @@ def layer_order(names: list[str]) -> list[str]:
 class WorkerSide:
     """The engine's KV cache tensors and the loads and saves of each step."""
 
-    def __init__(self, service: KVService) -> None:
+    def __init__(self, service: KVService, load_workers: int = 2, load_deadline_s: float | None = None) -> None:
         self.service = service
+        self.load_workers = load_workers  # the fetch threads (asynchronous loads)
+        self.load_deadline_s = load_deadline_s  # how long an asynchronous load may take (None: no deadline)
+        self._sent: set[str] = set()  # finished producer requests whose held blocks the step released
         self.names: list[str] = []
         self.caches: list[torch.Tensor] = []
         self.layers: list[Any] = []
@@ -76,6 +83,7 @@ class WorkerSide:
         self.heads: HeadShare | None = None  # this rank's share of the KV heads (None: all of them)
         self._failed: set[int] = set()
         self._async: AsyncLoads | None = None
+        self._incidents: Incidents | None = None
         self._once = LogOnce(log)
 
     def register(self, kv_caches: dict[str, torch.Tensor], layers: dict[str, Any],
@@ -126,12 +134,12 @@ class WorkerSide:
         if plan.cancelled and self._async is not None:
             self._async.cancel(plan.cancelled)
 
-    def _load_and_time(self, load: ChunkLoad, stopped: Callable[[], bool] | None = None) -> set[int]:
+    def _load_and_time(self, load: ChunkLoad, gate: Gate | None = None) -> set[int]:
         """Load one hit; returns the blocks it could not fill (recomputed by vLLM). Timed as ``vllm_load``
-        (on the engine's thread) or ``vllm_async_load`` (on a fetch thread, which may ``stopped()`` it)."""
+        (on the engine's thread) or ``vllm_async_load`` (on a fetch thread, whose ``gate`` may stop it)."""
         started = time.perf_counter()
         try:
-            loaded = self._load_one(load, stopped)
+            loaded = self._load_one(load, gate)
         except Exception as exc:  # noqa: BLE001 - a load that fails is recomputed, never a failed step
             self._once.warn(f"load:{load.model}:{type(exc).__name__}", "scd-store: cannot load %r's codes into "
                             "vLLM's cache (recomputed; logged once per error): %s: %s", load.model,
@@ -142,12 +150,24 @@ class WorkerSide:
 
     def _fetcher(self) -> AsyncLoads:
         if self._async is None:
-            self._async = AsyncLoads(self._load_and_time, self.caches[0].device if self.caches else None)
+            self._async = AsyncLoads(self._load_and_time, self.caches[0].device if self.caches else None,
+                                     workers=self.load_workers, deadline_s=self.load_deadline_s,
+                                     on_expired=self._expired)
         return self._async
 
+    def _expired(self, n: int) -> None:
+        """Count asynchronous loads reported at their deadline (``load_deadlines``; the first one logged)."""
+        if self._incidents is None:
+            self._incidents = self.service.incidents(log)
+        self._incidents.count(
+            "load_deadlines", "scd-store: an asynchronous load took longer than %.1f s (load_deadline_s); the "
+            "blocks it had not filled are recomputed by the engine (counted as load_deadlines; logged once)",
+            self.load_deadline_s, n=n)
+
     def finished_loads(self) -> set[str]:
-        """Requests whose asynchronous loads completed since the last call; the blocks they could not fill
-        are reported by the next :meth:`failed_blocks` (vLLM asks for both in the same step)."""
+        """Requests whose asynchronous loads completed, or passed their deadline, since the last call; the blocks
+        they could not fill are reported by the next :meth:`failed_blocks` (vLLM asks for both in the same
+        step)."""
         if self._async is None:
             return set()
         done, failed = self._async.finished()
@@ -159,11 +179,13 @@ class WorkerSide:
         after ``timeout`` seconds (then the service it uses must stay open)."""
         return self._async.close(timeout) if self._async is not None else True
 
-    def _load_one(self, load: ChunkLoad, stopped: Callable[[], bool] | None = None) -> int:
+    def _load_one(self, load: ChunkLoad, gate: Gate | None = None) -> int:
         """Decode and write one request's hit; returns the tokens of the prompt now in its blocks. Chunks
         wholly below ``first_token`` (in the engine's own prefix cache) are neither fetched nor decoded.
-        Once ``stopped()`` (a cancelled asynchronous load) no further chunk is decoded or written."""
-        halt = stopped if stopped is not None else _never
+        Every write into the blocks runs between ``gate.begin_write()`` and ``gate.end_write()``; once
+        ``gate()`` (an asynchronous load cancelled or past its deadline) no further chunk is decoded, and once
+        ``begin_write()`` refuses none is written."""
+        halt = gate if gate is not None else OpenGate()
         if halt():
             return 0
         caches = self.paged()
@@ -186,13 +208,23 @@ class WorkerSide:
                 write_tokens(layer, cache, k[:, first - start:].transpose(0, 1), v[:, first - start:].transpose(0, 1),
                              where)
 
-        def into(i: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        def written_through(i: int) -> bool:  # chunk i from the buffers into the blocks, if the gate lets it
             nonlocal written
-            if tokens != load.chunk_size or halt():  # cancelled: chunk i - 1 is not written either
+            if not halt.begin_write():
+                return False
+            try:
+                write(i)
+                written = i + 1
+            finally:
+                halt.end_write((skipped + written) * load.chunk_size)
+            return True
+
+        def into(i: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+            if tokens != load.chunk_size or halt():  # stopped: chunk i - 1 is not written either
                 return None
             if pair:  # chunk i - 1 is decoded (the service asks for chunk i only then): write it first
-                write(i - 1)
-                written = i
+                if not written_through(i - 1) or halt():
+                    return None
             else:
                 pair.append((torch.empty(shape, dtype=dtype, device=device),
                              torch.empty(shape, dtype=dtype, device=device)))
@@ -200,24 +232,35 @@ class WorkerSide:
 
         states = self.service.get(load.model, load.hashes[skipped:], into=into, **self._share())
         if len(states) > written and not halt():  # the last chunk decoded is still in the buffers
-            write(len(states) - 1)
-            written = len(states)
+            written_through(len(states) - 1)
         return (skipped + written) * load.chunk_size
 
-    def _load_paged(self, load: ChunkLoad, caches: PagedCaches, halt: Callable[[], bool]) -> int:
+    def _load_paged(self, load: ChunkLoad, caches: PagedCaches, gate: Gate) -> int:
         """:meth:`_load_one` straight into the paged cache: chunk ``i``'s slot table is its tokens' slots, -1
-        for tokens below ``first_token`` (the engine's own prefix cache: not written)."""
+        for tokens below ``first_token`` (the engine's own prefix cache: not written). Chunk ``i`` is being
+        written from the moment its table is handed out until chunk ``i + 1``'s is asked for (the service
+        asks only once chunk ``i`` is written) or the get returns."""
         skipped = load.first_token // load.chunk_size
         below = load.first_token - skipped * load.chunk_size
         table = device_index([-1] * below + list(load.slots), caches.device)
+        writing: list[int] = []  # the chunk whose table is out, while it is being written
 
         def slots(i: int, tokens: int) -> torch.Tensor | None:
-            if tokens != load.chunk_size or halt() or (i + 1) * tokens > table.shape[0]:
+            if writing:  # chunk i - 1 is written
+                writing.clear()
+                gate.end_write((skipped + i) * load.chunk_size)
+            if tokens != load.chunk_size or gate() or (i + 1) * tokens > table.shape[0] or not gate.begin_write():
                 return None
+            writing.append(i)
             return table[i * tokens:(i + 1) * tokens]
 
-        written = self.service.get_paged(load.model, load.hashes[skipped:], PagedTargets(caches, slots),
-                                         **self._share())
+        written: int | None = None
+        try:
+            written = self.service.get_paged(load.model, load.hashes[skipped:], PagedTargets(caches, slots),
+                                             **self._share())
+        finally:
+            if writing:  # the last table handed out: written if the get returned (else partly: recomputed)
+                gate.end_write((skipped + (writing[0] if written is None else written)) * load.chunk_size)
         return (skipped + written) * load.chunk_size
 
     def _share(self) -> dict[str, HeadShare]:
@@ -230,6 +273,16 @@ class WorkerSide:
         return failed
 
     # ------------------------------------------------------------ saves
+    def release(self, req_ids: list[str]) -> None:
+        """Finished producer requests whose blocks were held for a refill check, released by this step's plan
+        (after its saves copied them): reported once by the next :meth:`finished_saves`."""
+        self._sent.update(req_ids)
+
+    def finished_saves(self) -> set[str]:
+        """The held requests released since the last call (vLLM's ``finished_sending``: it frees their blocks)."""
+        sent, self._sent = self._sent, set()
+        return sent
+
     def save(self, plan: StepPlan) -> None:
         """Copy the step's producer chunks' blocks out of the paged cache (the engine's thread waits for this
         copy only: ``vllm_save_copy`` in the latency histogram) and hand them to the put worker."""
@@ -300,10 +353,6 @@ class WorkerSide:
             if stored > 0:
                 self.service.count("refilled_chunks", stored, space=space)
         return done
-
-
-def _never() -> bool:
-    return False
 
 
 def device_index(values: list[int], device: torch.device) -> torch.Tensor:

@@ -6,6 +6,8 @@ from __future__ import annotations
 PUT_QUEUE_CHUNKS = 256  # chunks a producer may have waiting to be encoded; more are dropped and counted
 PUT_QUEUE_BYTES = 2 << 30  # bytes of the engine's KV those chunks may hold (pinned host memory on a GPU)
 LOOKUP_DEADLINE_S = 2.0  # vLLM: how long a new consumer request may wait for its lookup before it computes its prompt
+LOAD_WORKERS = 0  # vLLM: fetch threads for asynchronous loads (0: derived from the engine's max_num_seqs)
+LOAD_DEADLINE_S = 5.0  # vLLM: how long an asynchronous load may take, queued and running, before it is recomputed
 GET_DEADLINE_S = 5.0  # how long a consumer's get may decode before it returns what it has
 DISCOVERY_INTERVAL_S = 2.0  # how often unbound models are looked up in the registry (0: never)
 MAX_POSITIONS = 32768  # the engine's context length when it does not say

@@ -31,13 +31,18 @@ below, its default taken from :mod:`scd_store.service.defaults`:
   anything is allocated for them;
 - ``async_loads`` (vLLM): load a consumer hit that only a remote tier holds between steps, off the
   engine's step (default true; false loads every hit before the step's forward);
+- ``load_workers`` (vLLM, with ``async_loads``): fetch threads for asynchronous loads (0, the default:
+  derived from vLLM's ``max_num_seqs``, :func:`scd_store.adapters.vllm.async_loads.load_workers`);
+- ``load_deadline_s`` (vLLM, with ``async_loads``): how long an asynchronous load may take from when it is
+  handed over, queued and running; past it the blocks it has not filled are recomputed by the engine;
 - ``decode_device`` (LMCache, SGLang): where a consumer's codes are decoded into KV before the engine's
   own copy takes them (``cpu``, the default, or ``cuda`` / ``cuda:N``); the vLLM connector always decodes
   on its cache's device.
 
 Booleans follow :func:`scd_store.flags.parse_flag`. The fields marked as :class:`KVService` keywords
 reach it through :meth:`EngineSettings.service_kwargs`; ``serves_adapters``, ``model_tag``,
-``decode_device`` and ``async_loads`` stay with the adapter. A stored chunk's absolute position
+``decode_device``, ``async_loads``, ``lookup_deadline_s``, ``load_workers`` and ``load_deadline_s`` stay with
+the adapter. A stored chunk's absolute position
 always comes from the engine (LMCache:
 ``MemoryObj.metadata.cached_positions``; SGLang: ``prefix_keys``); a chunk without one is not
 stored and is counted (``unpositioned_chunks``). Engines in one process whose settings have the same
@@ -156,6 +161,8 @@ class EngineSettings:
     decode_device: str = _key(_device, default=defaults.DECODE_DEVICE, role="adapter")
     async_loads: bool = _key(_bool, default=True, role="adapter")
     lookup_deadline_s: float = _key(_number, default=defaults.LOOKUP_DEADLINE_S, role="adapter")
+    load_workers: int = _key(_int, default=defaults.LOAD_WORKERS, role="adapter")
+    load_deadline_s: float = _key(_number, default=defaults.LOAD_DEADLINE_S, role="adapter")
 
     def __post_init__(self) -> None:
         for bundle in self.bundles:
@@ -169,7 +176,7 @@ class EngineSettings:
         if isinstance(self.put_queue_bytes, bool) or not isinstance(self.put_queue_bytes, int) \
                 or self.put_queue_bytes <= 0:
             raise SettingsError(f"put_queue_bytes must be a positive size, got {self.put_queue_bytes!r}")
-        for name in ("get_deadline_s", "lookup_deadline_s"):
+        for name in ("get_deadline_s", "lookup_deadline_s", "load_deadline_s"):
             if not getattr(self, name) > 0:
                 raise SettingsError(f"{name} must be positive, got {getattr(self, name)!r}")
         for name in ("serves_adapters", "register_bundles", "async_loads"):
@@ -179,6 +186,8 @@ class EngineSettings:
             raise SettingsError(f"model_tag must be a non-empty string, got {self.model_tag!r}")
         if self.models is not None and not all(isinstance(m, str) and m for m in self.models):
             raise SettingsError(f"models must be a list of model names, got {self.models!r}")
+        if isinstance(self.load_workers, bool) or not isinstance(self.load_workers, int) or self.load_workers < 0:
+            raise SettingsError(f"load_workers must be an int >= 0 (0: derived), got {self.load_workers!r}")
         if isinstance(self.max_positions, bool) or not isinstance(self.max_positions, int) or self.max_positions <= 0:
             raise SettingsError(f"max_positions must be a positive int, got {self.max_positions!r}")
         _device(self.decode_device, "decode_device")

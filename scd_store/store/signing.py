@@ -105,12 +105,12 @@ class VerifyKey:
 
     def verify(self, message: bytes, signature: bytes | memoryview) -> bool:
         """Whether ``signature`` is this key's over ``message``."""
-        from cryptography.exceptions import InvalidSignature
-
         key = self._key
         if key is None:
             key = _ed25519().Ed25519PublicKey.from_public_bytes(self.public)
             object.__setattr__(self, "_key", key)
+        from cryptography.exceptions import InvalidSignature
+
         try:
             key.verify(bytes(signature), message)
         except InvalidSignature:

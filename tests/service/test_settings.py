@@ -22,6 +22,8 @@ def test_settings_read_their_prefix_and_refuse_unknown_keys(bundle):
     assert (settings.models, settings.discovery_interval_s) == (None, 2.0)
     assert EngineSettings.from_mapping({"models": "a, b"}).models == ("a", "b")  # no bundles: the registry's
     assert (settings.register_bundles, settings.max_positions) == (True, 32768)
+    assert (settings.load_workers, settings.load_deadline_s) == (0, 5.0)  # 0: derived from the engine
+    assert EngineSettings.from_mapping({"load_workers": "4", "load_deadline_s": "0.5"}).load_workers == 4
     read_only = EngineSettings.from_mapping({"register_bundles": "false", "max_positions": "4096"})
     assert (read_only.register_bundles, read_only.max_positions) == (False, 4096)
     with pytest.raises(SettingsError, match=r"unknown scd-store settings \['scd.colour'\]"):
@@ -39,6 +41,9 @@ def test_settings_read_their_prefix_and_refuse_unknown_keys(bundle):
     ({"get_deadline_s": 0}, "get_deadline_s must be positive"),
     ({"get_deadline_s": "soon"}, "get_deadline_s must be a number"),
     ({"lookup_deadline_s": -1}, "lookup_deadline_s must be positive"),
+    ({"load_deadline_s": 0}, "load_deadline_s must be positive"),
+    ({"load_workers": -1}, "load_workers must be an int >= 0"),
+    ({"load_workers": "many"}, "load_workers must be an int"),
     ({"serves_adapters": "sometimes"}, "serves_adapters must be true or false"),
     ({"model_tag": ""}, "model_tag must be a non-empty string"),
     ({"register_bundles": "maybe"}, "register_bundles must be true or false"),

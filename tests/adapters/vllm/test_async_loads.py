@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vLLM stack is installed by `make test`")
 
-from scd_store.adapters.vllm.async_loads import AsyncLoads  # noqa: E402
+from scd_store.adapters.vllm.async_loads import AsyncLoads, OpenGate  # noqa: E402
 from scd_store.adapters.vllm.plan import ChunkLoad, StepPlan  # noqa: E402
 from scd_store.adapters.vllm.scheduler_side import SchedulerSide  # noqa: E402
 from scd_store.adapters.vllm.worker_side import WorkerSide  # noqa: E402
@@ -222,10 +222,10 @@ def test_a_cancelled_load_writes_no_block_past_the_chunk_boundary_it_stopped_at(
                     {f"model.layers.{i}.self_attn.attn": layer for i, layer in enumerate(layers)})
     blocks = [7, 2, 5, 0, 3, 6]
     job = ChunkLoad("r", "consumer", [bytes([i]) * 16 for i in range(3)], chunk, 0, blocks, block, True)
-    assert worker._load_one(job, cancelled.is_set) == chunk  # chunk 0 written; chunks 1 and 2 not
+    assert worker._load_one(job, OpenGate(cancelled.is_set)) == chunk  # chunk 0 written; chunks 1 and 2 not
     keys, _ = read_tokens(probe(layers[0], caches[0]), caches[0], torch.tensor(slots_of(blocks, block, 0, 3 * chunk)))
     assert bool((keys[:chunk] == 1).all()) and bool((keys[chunk:] == 0).all())
-    assert worker._load_one(job, lambda: True) == 0  # cancelled before it started: nothing fetched
+    assert worker._load_one(job, OpenGate(lambda: True)) == 0  # cancelled before it started: nothing fetched
 
 
 def test_the_connector_hands_a_plan_with_only_cancellations_to_the_worker_and_tracks_reported_loads():

@@ -20,7 +20,14 @@ from scd_store.store.registry import FileRegistry  # noqa: E402
 from scd_store.store.stats import StoreStats  # noqa: E402
 from scd_store.store.tiered import TieredStore  # noqa: E402
 from scd_store.store.tiers.cpu import CpuTier  # noqa: E402
-from tests.adapters.vllm.test_scheduler_side import BLOCK, CHUNK, PROMPT, output, request, store_prompt  # noqa: E402
+from tests.adapters.vllm.test_scheduler_side import (  # noqa: E402
+    BLOCK,
+    CHUNK,
+    PROMPT,
+    output,
+    request,
+    store_prompt,
+)
 from tests.bundles import PRODUCER, write_tiny_bundle  # noqa: E402
 
 BLOCKS = [7, 3, 9, 1, 4, 2, 8, 5]
@@ -125,21 +132,79 @@ def test_a_prefix_is_checked_once_and_its_chunks_stored_once(service):
         side.close()
 
 
-def test_a_request_that_finished_before_the_answer_leaves_it_to_the_next_one(service):
+def test_a_request_that_finished_before_the_answer_is_held_and_refilled_from_its_blocks(service):
     release = threading.Event()
     side = SchedulerSide(service, PRODUCER, BLOCK, refill=Refill(lambda model, hashes: release.wait(30) and 0))
     try:
         side.build(output([cached_hit("p1")], scheduled={"p1": 1}))
-        side.finished(SimpleNamespace(request_id="p1"))
+        assert side.finished(SimpleNamespace(request_id="p1")) is True  # vLLM keeps its blocks
+        assert side.build(output()).released == []  # the answer is not in: still held
         release.set()
         assert side.refill.idle()
         other = [b + 20 for b in BLOCKS]
         plan = side.build(output([cached_hit("p2", blocks=other)], scheduled={"p2": 1}))
-        (save,) = refills(plan)  # at once, from the cached answer, with p2's blocks
-        assert save.req_id == "p2" and save.slots[0] == slots_of(other, BLOCK, 0, CHUNK)
+        (save,) = refills(plan)  # from p1's held blocks; p2 finds the answer taken
+        assert save.req_id == "p1" and save.slots[0] == slots_of(BLOCKS, BLOCK, 0, CHUNK)
+        assert plan.released == ["p1"] and side.held() == set()
+        assert side.build(output()).released == [] and side.finished(SimpleNamespace(request_id="p2")) is False
     finally:
         release.set()
         side.close()
+
+
+def test_a_request_not_held_leaves_the_missing_chunks_to_the_next_request_however_late(service):
+    now, release = [0.0], threading.Event()
+    refill = Refill(lambda model, hashes: release.wait(30) and 0, clock=lambda: now[0])
+    side = SchedulerSide(service, PRODUCER, BLOCK, refill=refill, max_held=0)  # nothing may be held
+    try:
+        side.build(output([cached_hit("p1")], scheduled={"p1": 1}))
+        assert side.finished(SimpleNamespace(request_id="p1")) is False
+        release.set()
+        assert side.refill.idle()
+        now[0] = 60.0  # long past answer_ttl_s: an answer that chunks are missing waits for a request
+        other = [b + 20 for b in BLOCKS]
+        (save,) = refills(side.build(output([cached_hit("p2", blocks=other)], scheduled={"p2": 1})))
+        assert save.req_id == "p2" and save.slots[0] == slots_of(other, BLOCK, 0, CHUNK)  # at once
+        assert refill.checks == 1
+    finally:
+        release.set()
+        side.close()
+
+
+def test_consumers_and_producers_with_an_answer_are_never_held(service):
+    consumer = SchedulerSide(service, "consumer-a", BLOCK)
+    producer = SchedulerSide(service, PRODUCER, BLOCK, refill=Refill(lambda model, hashes: 0))
+    try:
+        assert consumer.finished(request("c1")) is False
+        producer.build(output([request("p0", block_ids=(BLOCKS,), num_computed_tokens=0)], scheduled={"p0": 1}))
+        assert producer.finished(SimpleNamespace(request_id="p0")) is False  # computes its prompt: no check
+        producer.build(output([cached_hit("p1")], scheduled={"p1": 1}))
+        assert producer.refill.idle()
+        producer.build(decode_step("p1"))  # the answer was in while it ran: planned then
+        assert producer.finished(SimpleNamespace(request_id="p1")) is False
+    finally:
+        consumer.close()
+        producer.close()
+
+
+def test_an_answer_that_chunks_are_missing_waits_for_a_request_and_a_tier_that_cannot_answer_stores_nothing():
+    now, present = [0.0], [2]  # the shared tier cannot answer: counted as holding them (never a guess)
+    refill = Refill(lambda model, hashes: present[0], answer_ttl_s=5.0, missing_ttl_s=300.0, clock=lambda: now[0])
+    try:
+        assert refill.take(PRODUCER, HASHES[:2]) is None and refill.idle()
+        assert refill.take(PRODUCER, HASHES[:2]) == []  # nothing stored while it is down
+        present[0], now[0] = 0, 6.0  # back, empty; the "all present" answer has expired
+        assert refill.take(PRODUCER, HASHES[:2]) is None and refill.idle()
+        now[0] = 200.0  # no request for the prefix since: the missing chunks' answer still holds
+        assert refill.take(PRODUCER, HASHES[:2]) == [0, 1] and refill.checks == 2
+        now[0] = 1000.0  # handed out long ago: asked again (the put may have failed)
+        assert refill.take(PRODUCER, HASHES[:2]) is None and refill.idle()
+        assert refill.take(PRODUCER, HASHES[:2]) == [0, 1]
+        assert refill.take(PRODUCER, HASHES[:3]) is None and refill.idle()  # a longer prefix: missing, no taker
+        now[0] = 1400.0  # past missing_ttl_s: asked again
+        assert refill.take(PRODUCER, HASHES[:3]) is None and refill.idle() and refill.checks == 5
+    finally:
+        refill.close()
 
 
 def test_a_preempted_request_never_stores_from_freed_blocks(service):

@@ -73,12 +73,13 @@ class Engine:
         self.side: SchedulerSide = scheduler.connector._scheduler
         self.free_blocks = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
         self.reported: list[str] = []  # every finished_recving, in order
+        self.sent: list[str] = []  # every finished_sending (held producer requests released), in order
         hash_fn = get_hash_fn_by_name(scheduler.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)  # as vLLM's engine core does: requests carry their block hashes
         self._hasher = get_request_block_hasher(BLOCK, hash_fn)
 
-    def add(self, req_id: str, prompt: list[int] = PROMPT) -> Request:
-        request = Request(req_id, list(prompt), SamplingParams(max_tokens=4), None, block_hasher=self._hasher)
+    def add(self, req_id: str, prompt: list[int] = PROMPT, max_tokens: int = 4) -> Request:
+        request = Request(req_id, list(prompt), SamplingParams(max_tokens=max_tokens), None, block_hasher=self._hasher)
         self.scheduler.add_request(request)
         return request
 
@@ -86,9 +87,11 @@ class Engine:
         out = self.scheduler.schedule()
         self.worker.bind_connector_metadata(out.kv_connector_metadata)
         self.worker.start_load_kv(None)
-        _, recving = self.worker.get_finished(out.finished_req_ids)
+        self.worker.wait_for_save()  # as vLLM's model runner does, forward or not (kv_connector_no_forward)
+        sending, recving = self.worker.get_finished(out.finished_req_ids)
         self.reported.extend(sorted(recving or ()))
-        kv_output = KVConnectorOutput(finished_recving=set(recving or ()),
+        self.sent.extend(sorted(sending or ()))
+        kv_output = KVConnectorOutput(finished_sending=set(sending or ()), finished_recving=set(recving or ()),
                                       invalid_block_ids=self.worker.get_block_ids_with_load_errors())
         self.worker.clear_connector_metadata()
         ran = list(out.num_scheduled_tokens)
@@ -102,22 +105,30 @@ class Engine:
 
 
 def engine(tmp_path: Path, lookup: Callable[[str, Any], Lookup], load_one: Callable[..., int],
-           lookups: dict[str, Any] | None = None) -> Engine:
+           lookups: dict[str, Any] | None = None, *, role: str = "consumer",
+           save_one: Callable[[Any], None] | None = None, counted: list[tuple[str, int]] | None = None,
+           **side: Any) -> Engine:
     """vLLM's scheduler over the connector: ``lookup(model, hashes)`` answers the store's presence checks
-    (on lookup threads when ``lookups`` gives :class:`Lookups` keywords), ``load_one(load, stopped)`` stands in
-    for the worker's fetch, decode and write (returns the tokens written)."""
+    (on lookup threads when ``lookups`` gives :class:`Lookups` keywords), ``load_one(load, gate)`` stands in
+    for the worker's fetch, decode and write (returns the tokens written), ``save_one(save)`` for its block
+    copy of a producer's chunks. The served model has ``role``; ``side``: more :class:`SchedulerSide` keywords
+    (a ``refill``, ``refill_hold_s``, a ``clock``); incidents are appended to ``counted``."""
     vllm_config, kv_config = _config(tmp_path / "model")
+    counts = counted if counted is not None else []
     service = types.SimpleNamespace(chunk_size=CHUNK, lookup=lookup, readable_by_others=lambda *a: 0,
-                                    binding=lambda model: types.SimpleNamespace(role="consumer"),
-                                    incidents=lambda log: types.SimpleNamespace(count=lambda *a, **k: None),
+                                    binding=lambda model: types.SimpleNamespace(role=role),
+                                    incidents=lambda log: types.SimpleNamespace(
+                                        count=lambda name, *a, n=1, **k: counts.append((name, n))),
                                     observe=lambda *a, **k: None, count_requested=lambda *a: None)
     front = _connector(vllm_config, kv_config, KVConnectorRole.SCHEDULER)
     front._scheduler = SchedulerSide(service, "consumer-a", BLOCK,
-                                     lookups=Lookups(lookup, **lookups) if lookups is not None else None)
+                                     lookups=Lookups(lookup, **lookups) if lookups is not None else None, **side)
     with mock.patch.object(KVConnectorFactory, "create_connector", lambda **_: front):  # vLLM's own would open a store
         scheduler = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_config,
                               structured_output_manager=StructuredOutputManager(vllm_config), block_size=BLOCK)
     back = _connector(vllm_config, kv_config, KVConnectorRole.WORKER)
     back._worker = WorkerSide(service)
     back._worker._load_one = load_one
+    if save_one is not None:
+        back._worker._save_one = save_one
     return Engine(scheduler, back)
