@@ -169,10 +169,23 @@ def test_reports_outside_the_producers_space_generation_are_refused(deployment):
         producer.close(), consumer.close()
 
 
-def test_a_consumer_cannot_flood_the_blobs_instance_into_evicting_blobs(tmp_path, deployment):  # noqa: F811
-    """The measured attack: twenty-nine 1 MiB hashes a consumer wrote under volatile-lru left 0 of 40 blobs. The
-    consumer now writes no key at all; what it publishes is stored nowhere; every blob stays, and the producer's
-    inbox stays bounded."""
+def volatile_blobs(admin, n: int = 24, size: int = 1 << 20) -> list[str]:
+    """``n`` volatile values of ``size`` bytes (stand-ins for a producer's large blobs: they can be evicted)."""
+    keys = [f"scd:tiny-space:big:{i}" for i in range(n)]
+    for key in keys:
+        admin.set(key, b"b" * size, px=600_000)
+    return keys
+
+
+def test_a_consumer_cannot_flood_the_blobs_instance_into_evicting_blobs(deployment):  # noqa: F811
+    """The measured attacks: twenty-nine 1 MiB hashes a consumer wrote under volatile-lru left 0 of 40 blobs; and,
+    without writing a key, a consumer's client buffers (a bulk argument declared 400 MB of which 40 KB are sent;
+    pipelined GETs of large blobs whose replies it never reads) count toward maxmemory and evicted every blob. With
+    the recipe's server settings and maxmemory sized for the blobs plus maxmemory-clients, none is evicted."""
+    import socket
+
+    from scd_store.store.redis_acl import SERVER_SETTINGS
+
     producer, consumer, keys = started(deployment)
     admin = deployment["admin"]
     scope = scope_of(producer)
@@ -180,12 +193,13 @@ def test_a_consumer_cannot_flood_the_blobs_instance_into_evicting_blobs(tmp_path
     more = [bytes([0x40 + i]) * 16 for i in range(37)]
     assert producer.put("producer-a", more, chunks(37)) == 37
     producer.drain(10)
-    blobs = keys + producer._access.producer(producer.binding("producer-a")).keys(more)
+    blobs = keys + producer._access.producer(producer.binding("producer-a")).keys(more) + volatile_blobs(admin)
+    for name, value in SERVER_SETTINGS:
+        admin.config_set(name, value)
     used = int(admin.info("memory")["used_memory"])
-    admin.config_set("maxmemory", str(used + (8 << 20)))  # 8 MiB of room: 29 MiB of hashes would evict them all
-    admin.config_set("maxmemory-policy", "volatile-lru")
-    admin.config_set("client-output-buffer-limit", "pubsub 2mb 1mb 10")
+    admin.config_set("maxmemory", str(used + (40 << 20)))  # room for the clients' cap (32 MiB), not for a flood
     rogue = as_user(deployment, "consumer")
+    port = deployment["server"].port
     try:
         for i in range(29):
             with pytest.raises(NoPermissionError):
@@ -193,13 +207,45 @@ def test_a_consumer_cannot_flood_the_blobs_instance_into_evicting_blobs(tmp_path
             rogue.publish(channel_of(scope), b"x" * (1 << 20))  # a 1 MiB report: delivered, refused, not stored
         for i in range(200):
             publish(deployment, scope, "suspects", [blobs[i % len(blobs)]])
+        socks = []
+        for _ in range(4):  # declared 400 MB bulks, 40 KB sent, connections held open
+            sock = socket.create_connection(("127.0.0.1", port))
+            sock.sendall(b"*3\r\n$4\r\nAUTH\r\n$12\r\nscd-consumer\r\n$7\r\ncons-pw\r\n")
+            channel = channel_of(scope).encode()
+            sock.sendall(b"*3\r\n$7\r\nPUBLISH\r\n$%d\r\n%s\r\n$400000000\r\n" % (len(channel), channel)
+                         + b"x" * 40_000)
+            socks.append(sock)
+        reader = socket.create_connection(("127.0.0.1", port))  # GETs of 1 MiB values, replies never read
+        reader.sendall(b"*3\r\n$4\r\nAUTH\r\n$12\r\nscd-consumer\r\n$7\r\ncons-pw\r\n")
+        big = blobs[-1].encode()
+        reader.sendall(b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(big), big) for _ in range(200)))
+        time.sleep(2.0)
         assert all(admin.exists(k) for k in blobs) and int(admin.info("stats")["evicted_keys"]) == 0
-        assert int(admin.info("memory")["used_memory"]) < used + (8 << 20)
+        for sock in (*socks, reader):
+            sock.close()
         assert producer.store.repair_now()[0] == 0 and all(admin.exists(k) for k in blobs)  # false reports: kept
         assert len(consumer.get("consumer-a", HASHES)) == 3
     finally:
         rogue.close()
         admin.config_set("maxmemory", "0")
+        admin.config_set("maxmemory-clients", "0")
+        producer.close(), consumer.close()
+
+
+def test_a_refused_subscription_is_counted_and_the_rest_still_heard(deployment):  # noqa: F811
+    """A producer user without the evictions channel (one made before the recipe had it): its reports are still
+    heard; the refusal is logged and counted (subscription_errors), never silent."""
+    server = deployment["server"]
+    assert server.cli("ACL", "SETUSER", "scd-producer-tiny-space", "resetchannels",
+                      "&scd:__reports__:tiny-space:*").strip() == "OK"
+    producer, consumer, keys = started(deployment)
+    scope = scope_of(producer)
+    try:
+        reports = inbox(producer)
+        assert wait_for(lambda: producer.store.stats.value("subscription_errors") >= 1)
+        publish(deployment, scope, "suspects", [keys[0]])
+        assert wait_for(lambda: reports.take("suspects", scope, 10) == [keys[0]])
+    finally:
         producer.close(), consumer.close()
 
 

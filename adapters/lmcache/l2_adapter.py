@@ -14,10 +14,11 @@ Configure on the server's command line (the ``plugin`` adapter type)::
 ``server_role`` (required), because a server cannot tell its clients apart: whoever reaches its port
 names any model in its keys, and no key says which engine sent it.
 
-- ``consumer``: the server of consumer engines (any number of them, any tenants). It reads codes and
-  decodes them for registered consumers, stores nothing (a client's keys naming the producer's model are
-  refused and counted, ``client_role_refusals``), and holds public keys only: a private key in its
-  keyring is refused at start.
+- ``consumer``: the server of consumer engines that trust each other (its clients share LMCache's own L1,
+  which scd-store does not see: any of them can place KV there that the others load; reachable beyond its
+  host it warns once). It reads codes and decodes them for registered consumers, stores nothing (a
+  client's keys naming the producer's model are refused and counted, ``client_role_refusals``), and holds
+  public keys only: a private key in its keyring is refused at start.
 - ``producer``: the server of one producer engine alone. It stores that engine's chunks as codes, signed
   with the space's private key, and serves no consumer. Nothing else may reach it: it stores only while
   every socket of its process listens on the loopback address (``--host`` / ``--http-host 127.0.0.1``, on a
@@ -71,7 +72,7 @@ from scd_store.service.log_once import LogOnce
 log = logging.getLogger("scd_store.adapters.lmcache")
 POSITION_WAIT_S = 1.0  # how long an L1 chunk may wait for its MP_TOKENS event
 SERVER_ROLES = ("producer", "consumer")
-LISTEN_CHECK_S = 30.0  # how long a producer's server trusts its last look at its listening sockets
+LISTEN_CHECK_S = 5.0  # how long a server trusts its last look at its listening sockets
 
 
 def server_params(config: dict | None) -> tuple[str, bool, dict]:
@@ -182,6 +183,11 @@ class ScdL2Adapter(L2AdapterInterface):
                                   "alone, or set allow_remote_clients: true; counted as client_role_refusals; logged "
                                   "once)", self._listening, n=keys, once="remote")
             return False
+        if role == "consumer" and not self._only_local():
+            self._once.warn("shared-l1", "scd-store: this consumer's lmcache server can be reached from beyond its "
+                            "host (%s): LMCache's own L1, which scd-store does not see, keeps KV any client stores and "
+                            "serves it to the others; let only engines that trust each other reach it "
+                            "(docs/reliability.md)", self._listening)
         return True
 
     def _only_local(self) -> bool:

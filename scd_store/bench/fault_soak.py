@@ -10,8 +10,9 @@ public keys) attacks all run long: it claims the producer's role, signs blobs wi
 symlinks and FIFOs in the consumers' disk tier, tries ``PEXPIRE key 0`` and friends, forges reports (genuine
 blobs of this generation and of the next one and keys never written reported bad, every blob reported as a
 hit) and floods the instance (1 MiB hashes and strings, which its user may not write, and 1 MiB published
-reports). Redis runs with ``maxmemory`` (``volatile-lru``) and eviction events on, so a flood that got in
-would evict blobs, and the producer counts what is evicted. Faults, at fixed fractions of ``duration_s``:
+reports). Redis runs with ``maxmemory`` and the recipe's server settings (``volatile-lru``, eviction events,
+the clients' memory capped), so a flood that got in would evict blobs, and the producer counts what is
+evicted. Faults, at fixed fractions of ``duration_s``:
 
 - blob waves (0.15, 0.35, 0.55): blobs in Redis corrupted (one flipped byte), forged (well formed,
   signed with another key) and moved (a genuine blob under another chunk's key);
@@ -52,7 +53,7 @@ from scd_store.bench.fault_space import (
     other_generation_keys,
     payload_for,
 )
-from scd_store.store.redis_acl import acl_setuser
+from scd_store.store.redis_acl import SERVER_SETTINGS, acl_setuser
 
 KINDS = ("corrupted", "forged", "moved")
 
@@ -94,10 +95,10 @@ class _Redis:
     def start(self) -> None:
         from scd_store.bench.store import _start_redis
 
+        settings = [arg for name, value in SERVER_SETTINGS for arg in (f"--{name}", value)]  # the recipe's
         self.proc, self.port = _start_redis(self.work, self.port or None, (
             "--appendonly", "yes", "--appendfsync", "always", "--aclfile", str(self.work / "users.acl"),
-            "--maxmemory", str(self.maxmemory), "--maxmemory-policy", "volatile-lru",
-            "--notify-keyspace-events", "Ee", "--client-output-buffer-limit", "pubsub 8mb 2mb 60"))
+            "--maxmemory", str(self.maxmemory), *settings))
 
     def kill(self) -> None:
         if self.proc is not None:

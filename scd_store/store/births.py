@@ -52,6 +52,12 @@ class Births:
             self._entries[key] = (born, now)
             return min(ttl_ms, left)
 
+    def written_after(self, key: str, at: float) -> bool:
+        """Whether this process wrote ``key`` after wall-clock time ``at`` (as far as it remembers)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            return entry is not None and entry[0] > at
+
     def __contains__(self, key: str) -> bool:
         with self._lock:
             return key in self._entries

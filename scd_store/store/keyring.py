@@ -17,13 +17,18 @@ file and reported to ``on_error`` (the store counts ``keyring_errors``):
 - a file that does not parse, is too large, or that other users may write;
 - a name that is now a link, FIFO, device or socket.
 
+- a file that does not end in a newline (cut short, or still being written).
+
 A file that is gone takes its own keys with it (fails closed: its space signs and verifies nothing until it
 is back), and only its own; a key directory that is gone takes every key. A file younger than
-:data:`SETTLE_S` is read on a later reload (it may still be being written).
+:data:`SETTLE_S` is read on a later reload (it may still be being written). The keyring keeps each file it
+read open, so the file system cannot give a newer file the inode of one it remembers (two replaces between
+reloads would otherwise look like an edit in place).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import stat
@@ -53,12 +58,18 @@ Stamp = tuple[int, int, int, int]  # (device, inode, mtime ns, size)
 @dataclass(frozen=True, slots=True)
 class _File:
     """What was read of one key file: its scope (a space id; None: ``default.keys`` or the single file), the
-    stamp of the read, its keys, and whether they came from a read that succeeded."""
+    stamp of the read, its keys, whether they came from a read that succeeded, and the file, held open."""
 
     scope: str | None
     stamp: Stamp
     keys: tuple[Key, ...]
     ok: bool = True
+    fd: int | None = None
+
+    def close(self) -> None:
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
 
 
 def _stamp(st: os.stat_result) -> Stamp:
@@ -110,9 +121,26 @@ class Keyring:
             if not self.path.exists():
                 raise KeyringError(f"signing_keys {self.path} does not exist")
             for name, path in self._listing().items():  # at start every defect is an error
-                text, st = read_key_file(path)
-                self._files[name] = _File(self._scope(path), _stamp(st), self._parse(text, path))
+                text, st, fd = read_key_file(path, keep=True)
+                try:
+                    self._files[name] = _File(self._scope(path), _stamp(st), self._parse(text, path), fd=fd)
+                except BaseException:
+                    self.close()
+                    if fd is not None:
+                        os.close(fd)
+                    raise
         self._rebuild()
+
+    def close(self) -> None:
+        """Close the key files held open (the keys stay as read)."""
+        for file in self._files.values():
+            file.close()
+        self._files = {name: _File(f.scope, f.stamp, f.keys, f.ok) for name, f in self._files.items()}
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            for file in self._files.values():
+                file.close()
 
     @classmethod
     def from_env(cls, path: str | None, env: Mapping[str, str]) -> Keyring | None:
@@ -182,6 +210,8 @@ class Keyring:
                 listing = self._listing()
             except FileNotFoundError:
                 if self._files:
+                    for file in self._files.values():
+                        file.close()
                     self._files.clear()
                     self._report("", "gone", f"signing_keys {self.path} is gone: its keys no longer sign or verify")
                 self._rebuild()
@@ -200,6 +230,7 @@ class Keyring:
     def _vanished(self, name: str) -> None:
         gone = self._files.pop(name, None)
         if gone is not None:
+            gone.close()
             if gone.scope is not None:
                 self._gone.add(gone.scope)
             self._report(name, "gone", f"{name} is gone: its keys no longer sign or verify"
@@ -226,21 +257,28 @@ class Keyring:
             return
         if 0 <= time.time() - st.st_mtime < SETTLE_S:
             return  # may still be being written: read it on a later reload
+        fd: int | None = None
         try:
-            text, opened = read_key_file(path)
-            if _stamp(opened)[:2] != stamp[:2]:
-                return  # replaced between the look and the read: read it on the next reload
+            text, opened, fd = read_key_file(path, keep=True)
+            if _stamp(opened)[:2] != stamp[:2]:  # replaced between the look and the read: read it on the next reload
+                if fd is not None:
+                    os.close(fd)
+                return
             keys = self._parse(text, path)
         except FileNotFoundError:
             self._vanished(name)
             return
         except (KeyringError, OSError, ValueError) as exc:
+            if fd is not None:
+                os.close(fd)
             self._report(name, stamp, f"reloading signing keys failed, keeping the keys read before: {exc}")
             if known is None:  # nothing to keep: remember the failed read, so a fix in place is read
                 self._files[name] = _File(self._scope(path), stamp, (), ok=False)
             return
         scope = self._scope(path)
-        self._files[name] = _File(scope, _stamp(opened), keys)
+        if known is not None:
+            known.close()
+        self._files[name] = _File(scope, _stamp(opened), keys, fd=fd)
         if scope is not None:
             self._gone.discard(scope)
         self._reported.pop(name, None)

@@ -37,9 +37,14 @@ _STATS = "scd:__stats__*"
 _EVICTIONS = "__keyevent@*__:evicted"
 _CONNECT = "+ping +select"
 _READ = "+get +mget +getrange +exists +hget +hgetall +hscan"
-# what the blobs' instance must be told by its administrator (not by scd-store: CONFIG needs an admin user)
+# What the blobs' instance must be told by its administrator (not by scd-store: CONFIG needs an admin user).
+# Redis counts every client's buffers toward maxmemory and has no per-user memory limit, so the clients' memory
+# is capped together (maxmemory-clients: past it the largest clients are disconnected) and per client (output
+# buffers, the largest bulk argument); size maxmemory to hold the blobs plus that cap, and no client can make
+# Redis evict a blob.
 SERVER_SETTINGS = (("maxmemory-policy", "volatile-lru"), ("notify-keyspace-events", "Ee"),
-                   ("client-output-buffer-limit", "pubsub 8mb 2mb 60"))
+                   ("maxmemory-clients", "32mb"), ("proto-max-bulk-len", "64mb"),
+                   ("client-output-buffer-limit", "normal 16mb 4mb 10 pubsub 8mb 2mb 60"))
 
 
 def acl_setuser(role: str, user: str, password: str, space_id: str | None = None) -> list[str]:

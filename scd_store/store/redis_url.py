@@ -165,14 +165,20 @@ def make_async_client(url: str, *, socket_timeout: float | None = 2.0, connect_t
     return Redis(host=host, port=port, db=target.db, max_connections=max_connections, **kwargs)
 
 
-def make_sync_client(url: str, *, socket_timeout: float | None = 2.0, connect_timeout: float | None = 1.0) -> Any:
-    """A blocking client for ``url`` (registry, stats readers)."""
+def make_sync_client(url: str, *, socket_timeout: float | None = 2.0, connect_timeout: float | None = 1.0,
+                     retry: bool = True) -> Any:
+    """A blocking client for ``url`` (registry, stats readers); ``retry=False``: a lost connection raises at once
+    instead of being made again behind the caller's back (a subscriber that must know it missed messages)."""
     from redis import Redis
+    from redis.backoff import NoBackoff
     from redis.cluster import ClusterNode, RedisCluster
+    from redis.retry import Retry
     from redis.sentinel import Sentinel
 
     target = parse_redis_url(url)
     kwargs = _common(target, socket_timeout, connect_timeout)
+    if not retry:
+        kwargs["retry"] = Retry(NoBackoff(), 0)
     if target.mode == "cluster":
         return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in target.hosts], **kwargs)
     if target.mode == "sentinel":

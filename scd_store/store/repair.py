@@ -8,10 +8,13 @@ Readers never delete from a shared tier (Redis, peers) nor refresh a TTL there: 
 
 - **Suspects.** It reads each reported key itself: a blob that is there and bad is deleted
   (``quarantined_blobs``) and rewritten from a verified copy in its own tiers (``repaired_blobs``); a blob
-  that is intact (a false report) or another generation's is left alone; a key that is not there is no damage
-  (evicted, expired): a report of it is refused, and only a key this producer deleted itself and could not
-  rewrite yet is written again. Rewrites spend a budget of ``rewrite_rate`` per second (the rest wait for a
-  later round: ``deferred_repairs``) and a key is rewritten at most once per :data:`REWRITE_COOLDOWN_S`.
+  that is intact (a false report: ``false_reports``; not read again for a minute, however often reported) or
+  another generation's is left alone; a key that is not there is no damage (evicted, expired): a report of it
+  is refused, and only a key this producer deleted itself and could not rewrite yet (nor wrote since) is
+  written again. A round reads at most :data:`VERIFY_BYTES` of reported blobs and checks them off the store's
+  loop; rewrites spend a budget of ``rewrite_rate`` per second (the rest wait for a later round:
+  ``deferred_repairs``) and a key is rewritten at most once a minute
+  (:mod:`~scd_store.store.repair_budget`).
 - **Hits.** It refreshes the TTL of a reported hit only for a blob it wrote itself (its
   :class:`~scd_store.store.births.Births`), at most once per quarter TTL, and never past the tier's
   ``max_lifetime`` counted from when it wrote the blob (``refused_refreshes`` otherwise): however readers
@@ -25,8 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
 from scd_store.store.births import Births
@@ -34,60 +35,14 @@ from scd_store.store.guard import TierGuard
 from scd_store.store.keyring import Keyring
 from scd_store.store.keys import KeyError_, parse_key
 from scd_store.store.records import Space
+from scd_store.store.repair_budget import RecentlyIntact, RewriteBudget
 from scd_store.store.stats import StoreStats
 from scd_store.store.tiers.base import Tier
 from scd_store.store.verify import blob_state
 
 log = logging.getLogger("scd_store.store")
-REWRITE_COOLDOWN_S = 60.0  # a key is rewritten at most once per this long
-MAX_QUARANTINED = 65536  # keys deleted and not yet rewritten that are remembered
-
-
-class RewriteBudget:
-    """Rewrites a producer may make: ``rate`` per second (a token bucket of one second's worth), each key at most
-    once per ``cooldown_s``; and the keys it deleted itself, owed a rewrite."""
-
-    def __init__(self, rate: float, cooldown_s: float = REWRITE_COOLDOWN_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        if rate <= 0:
-            raise ValueError(f"the rewrite rate must be positive, got {rate}")
-        self.rate, self.cooldown_s, self.clock = rate, cooldown_s, clock
-        self._tokens, self._at = rate, clock()
-        self._last: OrderedDict[str, float] = OrderedDict()
-        self.owed: OrderedDict[str, None] = OrderedDict()  # deleted as bad, not rewritten yet
-
-    def owe(self, keys: Iterable[str]) -> None:
-        for key in keys:
-            self.owed[key] = None
-            self.owed.move_to_end(key)
-        while len(self.owed) > MAX_QUARANTINED:
-            self.owed.popitem(last=False)
-
-    def take(self, keys: Sequence[str]) -> tuple[list[str], list[str]]:
-        """``(allowed, deferred)``: the keys the budget allows now, and those left for a later round."""
-        now = self.clock()
-        self._tokens = min(self.rate, self._tokens + (now - self._at) * self.rate)
-        self._at = now
-        allowed: list[str] = []
-        deferred: list[str] = []
-        for key in keys:
-            last = self._last.get(key)
-            if self._tokens < 1 or (last is not None and now - last < self.cooldown_s):
-                deferred.append(key)
-                continue
-            self._tokens -= 1
-            allowed.append(key)
-        return allowed, deferred
-
-    def done(self, keys: Iterable[str]) -> None:
-        """``keys`` were rewritten now."""
-        now = self.clock()
-        for key in keys:
-            self.owed.pop(key, None)
-            self._last[key] = now
-            self._last.move_to_end(key)
-        while self._last and now - next(iter(self._last.values())) > self.cooldown_s:
-            self._last.popitem(last=False)
+VERIFY_BYTES = 16 << 20  # reported blobs a round reads and verifies, in bytes (the rest wait for a later round)
+VERIFY_BATCH = 32  # reported keys read per tier call
 
 
 class ProducerRepair:
@@ -102,6 +57,7 @@ class ProducerRepair:
         self.spaces = spaces
         self.births = births
         self.budget = RewriteBudget(rewrite_rate)
+        self.intact = RecentlyIntact()  # reported keys found intact: not read again for a while
 
     async def run(self, every_s: float) -> None:
         """A round over every space each ``every_s`` seconds, until cancelled."""
@@ -151,27 +107,33 @@ class ProducerRepair:
             self.stats.inc("refused_reports", n, tier=tier.name, space=space.space_id)
 
     async def _suspects(self, ti: int, tier: Tier, space: Space, limit: int) -> tuple[int, int, set[str]]:
-        """Verify, quarantine and rewrite (within the budget) the keys readers reported bad in tier ``ti``."""
+        """Verify, quarantine and rewrite (within the budgets) the keys readers reported bad in tier ``ti``."""
         scope = space.scope
         reported = await self.guard.call(tier, "suspects", lambda: tier.reports("suspects", scope, limit), None)
         if not reported:
             return 0, 0, set()
         mine, done = self._own(tier, space, reported)
+        known = [k for k in mine if k in self.intact]  # found intact lately: not read again on a reader's word
+        self._false(tier, space, len(known))
+        done += known
+        read, values = await self._read(tier, [k for k in mine if k not in self.intact])
         quarantined = repaired = 0
         bad: list[str] = []
-        values = await self.guard.call(tier, "get", lambda: tier.get_many(mine), None) if mine else None
         if values is not None:
             owed: list[str] = []
-            for key, value in zip(mine, values, strict=True):
-                state = "absent" if value is None else blob_state(key, value, space, self.keyring)
+            states = await asyncio.to_thread(self._states, space, read, values)  # signatures: off the store's loop
+            for key, state in zip(read, states, strict=True):
                 if state == "bad":
                     bad.append(key)
-                elif state == "absent" and key in self.budget.owed:
+                elif state == "absent" and self.budget.owes(key, self.births):
                     owed.append(key)  # deleted by this producer earlier, its rewrite still owed
                 else:  # intact (a false report), foreign, or absent (no damage: evicted or expired)
                     done.append(key)
                     if state == "absent":
                         self._refused(tier, space, 1)
+                    elif state == "intact":
+                        self.intact.add(key)
+                        self._false(tier, space, 1)
             deleted = not bad or await self.guard.call(tier, "delete", lambda: tier.delete_many(bad), None) is not None
             if bad and deleted:
                 quarantined = len(bad)
@@ -191,6 +153,32 @@ class ProducerRepair:
         if done:  # only what was processed: the rest is taken again next round
             await self.guard.call(tier, "report", lambda: tier.clear_reports("suspects", scope, done), None)
         return quarantined, repaired, set(bad)
+
+    async def _read(self, tier: Tier, keys: list[str]) -> tuple[list[str], list[bytes | None] | None]:
+        """The reported ``keys`` read in batches until :data:`VERIFY_BYTES` are spent (the rest wait for a later
+        round): the keys read and their values; None values when the tier failed."""
+        read: list[str] = []
+        values: list[bytes | None] = []
+        spent = 0
+        for i in range(0, len(keys), VERIFY_BATCH):
+            if spent >= VERIFY_BYTES:
+                break
+            batch = keys[i:i + VERIFY_BATCH]
+            got = await self.guard.call(tier, "get", lambda b=batch: tier.get_many(b), None)
+            if got is None:
+                return read, (values if read else None)
+            read += batch
+            values += got
+            spent += sum(len(v) for v in got if v is not None)
+        return read, values
+
+    def _states(self, space: Space, keys: list[str], values: list[bytes | None]) -> list[str]:
+        return ["absent" if value is None else blob_state(key, value, space, self.keyring)
+                for key, value in zip(keys, values, strict=True)]
+
+    def _false(self, tier: Tier, space: Space, n: int) -> None:
+        if n:
+            self.stats.inc("false_reports", n, tier=tier.name, space=space.space_id)
 
     async def _hits(self, tier: Tier, space: Space, limit: int, bad: set[str]) -> None:
         """Refresh the TTL of reported hits of ``space`` that this producer wrote itself, within their lifetime

@@ -266,28 +266,40 @@ def parse_inline_key(text: str) -> Key:
     return _material(material.strip(), key_id.strip(), until, spaces, "SCD_STORE_SIGNING_KEY")
 
 
-def read_key_file(path: Path) -> tuple[str, os.stat_result]:
-    """A key file's text and the status of what was read: a regular file (never a link, FIFO or device), at most
-    64 KiB, that other users cannot write (nor read, when it holds private keys)."""
+def read_key_file(path: Path, *, keep: bool = False) -> tuple[str, os.stat_result, int | None]:
+    """A key file's text, the status of what was read and, with ``keep``, a descriptor of it left open (the caller
+    closes it: while it is open the file's inode cannot be given to another file). The file is a regular file
+    (never a link, FIFO or device) of at most 64 KiB that other users cannot write (nor read, when it holds
+    private keys), and whole: empty, or ending in a newline (a file cut short is refused)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         if isinstance(exc, FileNotFoundError):
             raise
         raise KeyringError(f"{path}: cannot open it as a plain file ({exc})") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
+    try:
+        st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_KEY_FILE_BYTES:
             raise KeyringError(f"{path} is no regular file of at most {MAX_KEY_FILE_BYTES} bytes")
-        data = f.read(MAX_KEY_FILE_BYTES + 1)
-    try:
+        data = b""
+        while len(data) <= MAX_KEY_FILE_BYTES and (part := os.read(fd, MAX_KEY_FILE_BYTES + 1 - len(data))):
+            data += part
         check_owner_only(path, st, "the key file")
         text = data.decode("utf-8")
         if PRIVATE in text:
             check_owner_only(path, st, "the private key file", unreadable=True)
+        if text and not text.endswith("\n"):
+            raise KeyringError(f"{path} does not end in a newline: cut short, or still being written")
     except (UnsafePath, UnicodeDecodeError) as exc:
+        os.close(fd)
         raise KeyringError(str(exc)) from None
-    return text, st
+    except BaseException:
+        os.close(fd)
+        raise
+    if not keep:
+        os.close(fd)
+        return text, st, None
+    return text, st, fd
 
 
 def write_key_file(path: Path, lines: list[str], *, private: bool, append: bool = False) -> None:

@@ -52,10 +52,14 @@ COUNTERS: dict[str, str] = {
                        "reported bad where nothing is stored (no damage): ignored",
     "dropped_reports": "reported keys a producer's inbox had no room for (it keeps 8,192 per kind and space "
                        "generation): dropped",
+    "false_reports": "keys readers reported bad that their producer found intact (or had found intact in the "
+                     "last minute: not read again)",
     "deferred_repairs": "bad blobs a producer deleted whose rewrite waits for a later round (its repair_rate is "
                         "spent, or the key was rewritten less than a minute ago)",
     "evicted_blobs": "blobs of a producer's space generations that Redis evicted (keyspace events, with "
                      "notify-keyspace-events Ee on the server)",
+    "subscription_errors": "a producer's subscriptions to its readers' reports or its blobs' evictions that Redis "
+                           "refused (its user's ACL) or lost (a dropped connection): not heard until made again",
     "refused_locations": "peer directory entries a reader refused: unsigned, forged, moved, bound to another "
                          "source info, malformed or out of bounds (a miss, never read)",
     "refilled_chunks": "chunks a producer's engine served from its own prefix cache that the store had lost: "

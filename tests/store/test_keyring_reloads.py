@@ -187,3 +187,41 @@ def test_a_file_still_being_written_is_read_once_it_settles(tmp_path) -> None:
     assert ring.verifier("space-b", "kb") is None
     os.utime(fresh, (1, 1))
     assert ring.verifier("space-b", "kb") is not None
+
+
+def test_two_replaces_between_reloads_are_read_as_replaces(tmp_path) -> None:
+    """A rotation done quickly (add k2, then remove k1, both renamed over the file before the next reload) could
+    give the second file the inode the keyring remembered: read as an edit in place, the removed key verified on.
+    The keyring holds the file it read open, so no newer file can have its inode."""
+    (tmp_path / "keys").mkdir()
+    path = tmp_path / "keys" / "space-a.keys"
+    old = SigningKey("k1", bytes([5]) * 32, spaces=("space-a",))
+    replace_file(path, pub(old) + "\n", 0o644)
+    first = os.stat(path).st_ino
+    errors: list[str] = []
+    ring = Keyring(tmp_path / "keys", reload_s=0, on_error=errors.append)
+    replace_file(path, pub(old) + "\n" + pub(A_KEY) + "\n", 0o644)
+    replace_file(path, pub(A_KEY) + "\n", 0o644)
+    assert os.stat(path).st_ino != first  # the inode the keyring remembers is still taken (by its open file)
+    assert ring.verifier("space-a", "k1") is None and ring.verifier("space-a", "ka") is not None and not errors
+
+
+def test_a_file_cut_short_is_not_read_until_whole(tmp_path) -> None:
+    """A new file written in place, its writer stalled mid-line: read then, a key would serve without its until=
+    (or for a space named by a prefix). A file that does not end in a newline is refused, counted, read once whole."""
+    (tmp_path / "keys").mkdir()
+    replace_file(tmp_path / "keys" / "space-a.keys", pub(A_KEY) + "\n", 0o644)
+    errors: list[str] = []
+    ring = Keyring(tmp_path / "keys", reload_s=0, on_error=errors.append)
+    path = tmp_path / "keys" / "space-b.keys"
+    with open(path, "w") as f:
+        f.write(pub(B_KEY))  # no end of line yet: its until= is still to come
+    os.chmod(path, 0o644)
+    os.utime(path, (1, 1))
+    assert ring.verifier("space-b", "kb") is None and len(errors) == 1 and "newline" in errors[0]
+    with open(path, "a") as f:
+        f.write(" until=1700000000\n")  # whole now: the key ended in 2023
+    os.utime(path, (2, 2))
+    assert ring.verifier("space-b", "kb") is None and ring.verifier("space-a", "ka") is not None
+    replace_file(path, pub(B_KEY) + "\n", 0o644)
+    assert ring.verifier("space-b", "kb") is not None

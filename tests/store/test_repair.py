@@ -177,3 +177,40 @@ def test_rewrites_spend_a_rate_and_a_key_is_rewritten_once_a_cooldown(registry) 
         time.sleep(1.05)
         quarantined, repaired = producer.repair_now()
         assert quarantined == 1 and rewritten[0] not in data and repaired == 2  # the others, not the cooled-down one
+
+
+def test_false_reports_are_read_once_a_minute_and_reads_spend_a_byte_budget(registry, monkeypatch) -> None:
+    """The amplifier: a reader reporting intact blobs as bad every round made the producer read and verify them
+    all every round. A key found intact is not read again for a minute; a round reads at most VERIFY_BYTES."""
+    from scd_store.store import repair as repair_module
+
+    data: dict[str, bytes] = {}
+    reports: dict[tuple[str, str], set[str]] = {}
+    producer, shared = stores(registry, data, reports)
+    with producer:
+        keys = put_all(producer, 6)
+        producer.flush()
+        reports[("suspects", SPACE.scope)] = set(keys)
+        before = shared.calls
+        assert producer.repair_now() == (0, 0) and producer.stats.value("false_reports") == 6
+        read = shared.calls - before
+        for _ in range(5):  # reported again and again: cleared, never read again
+            reports[("suspects", SPACE.scope)] = set(keys)
+            assert producer.repair_now() == (0, 0)
+        assert shared.calls - before == read and producer.stats.value("false_reports") == 6 * 6
+        assert reports[("suspects", SPACE.scope)] == set()
+    monkeypatch.setattr(repair_module, "VERIFY_BATCH", 1)
+    monkeypatch.setattr(repair_module, "VERIFY_BYTES", 100)  # about two of these blobs a round
+    data2: dict[str, bytes] = {}
+    reports2: dict[tuple[str, str], set[str]] = {}
+    producer, shared = stores(registry, data2, reports2)
+    with producer:
+        keys = put_all(producer, 6)
+        producer.flush()
+        reports2[("suspects", SPACE.scope)] = set(keys)
+        producer.repair_now()
+        left = reports2[("suspects", SPACE.scope)]
+        assert 0 < len(left) < 6 and producer.stats.value("false_reports") == 6 - len(left)  # the rest waits
+        while reports2[("suspects", SPACE.scope)]:
+            producer.repair_now()
+        assert producer.stats.value("false_reports") == 6

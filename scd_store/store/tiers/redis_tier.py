@@ -16,6 +16,7 @@ are refused (counted in ``rejected``). A total byte budget is the server's job: 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
@@ -23,7 +24,7 @@ from typing import Any, TypeVar
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from scd_store.store.redis_url import make_async_client, parse_redis_url
+from scd_store.store.redis_url import make_async_client, make_sync_client, parse_redis_url
 from scd_store.store.tiers.base import Tier, TierUsage
 from scd_store.store.tiers.redis_reports import ReportInbox, channel_of, report_messages
 
@@ -79,7 +80,7 @@ class RedisTier(Tier):
 
     async def close(self) -> None:
         if self.inbox is not None:
-            await self.inbox.close()
+            await asyncio.to_thread(self.inbox.close)
         if self._client is not None:
             client, self._client = self._client, None
             await client.aclose()
@@ -207,8 +208,11 @@ class RedisTier(Tier):
     def watch_reports(self, scope: str) -> None:
         """The producer's subscription to ``scope``'s reports (and its blobs' evictions) starts now."""
         if self.inbox is None:
-            self.inbox = ReportInbox(lambda: self.client.pubsub(), self.target.db,
-                                     lambda name, n, space="": self._count(name, n, space=space))
+            url, timeouts = self.target.url, self._timeouts
+            self.inbox = ReportInbox(lambda: make_sync_client(url, socket_timeout=max(5.0, timeouts[0]),
+                                                              connect_timeout=timeouts[1], retry=False),
+                                     self.target.db, lambda name, n, space="": self._count(name, n, space=space),
+                                     hits=self.expires)
         self.inbox.watch(scope)
 
     async def reports(self, kind: str, scope: str, limit: int) -> list[str]:
