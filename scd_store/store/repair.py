@@ -8,7 +8,7 @@ Readers never delete from a shared tier (Redis, peers) nor refresh a TTL there: 
 
 - **Suspects.** It reads each reported key itself: a blob that is there and bad is deleted
   (``quarantined_blobs``) and rewritten from a verified copy in its own tiers (``repaired_blobs``); a blob
-  that is intact (a false report: ``false_reports``; not read again for a minute, however often reported) or
+  that is intact (a false report: ``false_reports``; not read again for 10 s, however often reported) or
   another generation's is left alone; a key that is not there is no damage (evicted, expired): a report of it
   is refused, and only a key this producer deleted itself and could not rewrite yet (nor wrote since) is
   written again. A round reads at most :data:`VERIFY_BYTES` of reported blobs and checks them off the store's

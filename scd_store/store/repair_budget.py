@@ -12,7 +12,7 @@ from scd_store.store.births import Births
 REWRITE_COOLDOWN_S = 60.0  # a key is rewritten at most once per this long
 OWED_S = 600.0  # how long a key the producer deleted stays owed a rewrite (after that its engine stores it again)
 MAX_QUARANTINED = 65536  # keys deleted and not yet rewritten that are remembered
-INTACT_S = 60.0  # a reported key found intact is not read again for this long
+INTACT_S = 10.0  # a reported key found intact is not read again for this long (a repair waits at most this)
 MAX_INTACT = 65536
 
 

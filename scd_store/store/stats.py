@@ -53,7 +53,7 @@ COUNTERS: dict[str, str] = {
     "dropped_reports": "reported keys a producer's inbox had no room for (it keeps 8,192 per kind and space "
                        "generation): dropped",
     "false_reports": "keys readers reported bad that their producer found intact (or had found intact in the "
-                     "last minute: not read again)",
+                     "last 10 s: not read again)",
     "deferred_repairs": "bad blobs a producer deleted whose rewrite waits for a later round (its repair_rate is "
                         "spent, or the key was rewritten less than a minute ago)",
     "evicted_blobs": "blobs of a producer's space generations that Redis evicted (keyspace events, with "
