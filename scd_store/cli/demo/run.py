@@ -32,7 +32,7 @@ from scd_store.cli.tables import one_line
 from scd_store.codecs.kv_state import KVState
 from scd_store.errors import ScdStoreError
 from scd_store.models import catalog
-from scd_store.models.catalog_bundle import CATALOG_BUNDLE, bundle_misfit
+from scd_store.models.catalog_bundle import bundle_misfit, catalog_bundle
 from scd_store.models.prepare import ModelNotPrepared
 from scd_store.paths import data_dir
 from scd_store.service import KVService
@@ -41,6 +41,8 @@ from scd_store.store.config import StoreConfig, TierConfig
 from scd_store.store.keys import chunk_hashes
 
 DEMO_CHUNK = 256
+# the bundle kept with scd-store: None = the catalog's, unpacked on first use (catalog_bundle()); tests set a path
+CATALOG_BUNDLE: Path | None = None
 ENGINES = ("auto", "vllm", "transformers")
 
 
@@ -95,10 +97,11 @@ def demo_bundle(config: DemoConfig, producer: LoadedModel, consumers: list[Loade
             raise DemoError(f"--bundle {path} is not a calibration bundle (no space.json)")
         return path
     fingerprints = {c.name: c.fingerprint for c in consumers}
-    misfit = bundle_misfit(CATALOG_BUNDLE, producer.fingerprint, fingerprints)
+    kept = CATALOG_BUNDLE or catalog_bundle()
+    misfit = bundle_misfit(kept, producer.fingerprint, fingerprints)
     if misfit is None:
-        console.print(f"code space and decoders: {CATALOG_BUNDLE} (kept with scd-store; calibrated at the defaults)")
-        return CATALOG_BUNDLE
+        console.print(f"code space and decoders: {kept} (kept with scd-store; calibrated at the defaults)")
+        return kept
     key = hashlib.sha256("|".join([producer.fingerprint, *fingerprints.values(),
                                    repr(CalibrationConfig())]).encode()).hexdigest()[:16]
     path = data_dir() / "bundles" / f"demo-{key}"
