@@ -29,17 +29,19 @@ def _kernel():  # noqa: ANN202 - a triton.JITFunction
     def decode_kernel(codes, rows, matrix, offset, cos, sin, keys, values, tokens, active, width,
                       s_codes, s_kl, s_kh, s_kt, s_vl, s_vh, s_vt,
                       HALF: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, FP16: tl.constexpr):
-        group, block, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        t = block * BT + tl.arange(0, BT)
+        # 64-bit offsets: layer * s_kl (or t * s_kt) passes 2**31 past ~67k tokens of Llama-3-8B's geometry
+        group, block = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+        head = tl.program_id(2).to(tl.int64)
+        t = block * BT + tl.arange(0, BT).to(tl.int64)
         t_ok = t < tokens
-        d = tl.arange(0, HALF)
+        d = tl.arange(0, HALF).to(tl.int64)
         lo_cols = head * 2 * HALF + d
         acc_lo = tl.zeros((BT, HALF), dtype=tl.float32)
         acc_hi = tl.zeros((BT, HALF), dtype=tl.float32)
         for c0 in range(0, active, BC):
-            c = c0 + tl.arange(0, BC)
+            c = c0 + tl.arange(0, BC).to(tl.int64)
             c_ok = c < active
-            row = tl.load(rows + group * active + c, mask=c_ok, other=0)
+            row = tl.load(rows + group * active + c, mask=c_ok, other=0).to(tl.int64)
             q = tl.load(codes + row[None, :] * s_codes + t[:, None], mask=t_ok[:, None] & c_ok[None, :], other=0)
             m_ptr = matrix + (group * active + c[:, None]) * width + lo_cols[None, :]
             m_lo = tl.load(m_ptr, mask=c_ok[:, None], other=0.0)

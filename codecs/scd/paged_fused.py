@@ -57,17 +57,19 @@ def _kernels():  # noqa: ANN202 - two triton.JITFunctions
     def decode_kernel(codes, rows, matrix, offset, cos, sin, cache, layer_offsets, slots, tokens, active, width,
                       num_slots, s_codes, s_block, s_kv, s_pos, s_head, s_dim, BLOCK_SIZE: tl.constexpr,
                       HALF: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, FP16: tl.constexpr):
-        group, block, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        t = block * BT + tl.arange(0, BT)
+        # 64-bit offsets (as fused.decode_kernel): head * s_head of a heads-outermost cache passes 2**31
+        group, block = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+        head = tl.program_id(2).to(tl.int64)
+        t = block * BT + tl.arange(0, BT).to(tl.int64)
         t_ok = t < tokens
-        d = tl.arange(0, HALF)
+        d = tl.arange(0, HALF).to(tl.int64)
         lo_cols = head * 2 * HALF + d
         acc_lo = tl.zeros((BT, HALF), dtype=tl.float32)
         acc_hi = tl.zeros((BT, HALF), dtype=tl.float32)
         for c0 in range(0, active, BC):  # the products exactly as fused.decode_kernel: the same bits
-            c = c0 + tl.arange(0, BC)
+            c = c0 + tl.arange(0, BC).to(tl.int64)
             c_ok = c < active
-            row = tl.load(rows + group * active + c, mask=c_ok, other=0)
+            row = tl.load(rows + group * active + c, mask=c_ok, other=0).to(tl.int64)
             q = tl.load(codes + row[None, :] * s_codes + t[:, None], mask=t_ok[:, None] & c_ok[None, :], other=0)
             m_ptr = matrix + (group * active + c[:, None]) * width + lo_cols[None, :]
             m_lo = tl.load(m_ptr, mask=c_ok[:, None], other=0.0)
@@ -89,27 +91,28 @@ def _kernels():  # noqa: ANN202 - two triton.JITFunctions
         slot = tl.where(ok, slot, 0).to(tl.int64)
         where = (slot // BLOCK_SIZE) * s_block + (slot % BLOCK_SIZE) * s_pos
         kv = group % 2
-        out = cache + tl.load(layer_offsets + group // 2) + kv * s_kv + head * s_head + where[:, None] \
-            + d[None, :] * s_dim
+        row = cache + tl.load(layer_offsets + group // 2) + kv * s_kv + head * s_head + where[:, None]
+        out, out_hi = row + d[None, :] * s_dim, row + (d[None, :] + HALF) * s_dim
         mask = ok[:, None]
         if kv == 0:
             cs = tl.load(cos + t[:, None] * HALF + d[None, :], mask=t_ok[:, None], other=0.0)
             sn = tl.load(sin + t[:, None] * HALF + d[None, :], mask=t_ok[:, None], other=0.0)
             tl.store(out, (acc_lo * cs - acc_hi * sn).to(cache.dtype.element_ty), mask=mask)
-            tl.store(out + HALF * s_dim, (acc_hi * cs + acc_lo * sn).to(cache.dtype.element_ty), mask=mask)
+            tl.store(out_hi, (acc_hi * cs + acc_lo * sn).to(cache.dtype.element_ty), mask=mask)
         else:
             tl.store(out, acc_lo.to(cache.dtype.element_ty), mask=mask)
-            tl.store(out + HALF * s_dim, acc_hi.to(cache.dtype.element_ty), mask=mask)
+            tl.store(out_hi, acc_hi.to(cache.dtype.element_ty), mask=mask)
 
     @triton.jit
     def scatter_kernel(keys, values, cache, layer_offsets, slots, tokens, num_slots, s_kl, s_kh, s_kt, s_kd,
                        s_vl, s_vh, s_vt, s_vd, s_block, s_kv, s_pos, s_head, s_dim, BLOCK_SIZE: tl.constexpr,
                        DIM: tl.constexpr, BT: tl.constexpr):
-        group, block, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        group, block = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+        head = tl.program_id(2).to(tl.int64)  # 64-bit offsets
         layer, kv = group // 2, group % 2
-        t = block * BT + tl.arange(0, BT)
+        t = block * BT + tl.arange(0, BT).to(tl.int64)
         t_ok = t < tokens
-        d = tl.arange(0, DIM)
+        d = tl.arange(0, DIM).to(tl.int64)
         if kv == 0:
             src = keys + layer * s_kl + head * s_kh + t[:, None] * s_kt + d[None, :] * s_kd
         else:

@@ -7,17 +7,23 @@ processes only ever add time, and they add proportionally more to a 30 ms decode
 1.3 s prefill, which averages them in); ``decode_vs_prefill_median`` is the ratio of the medians.
 
 Runs on the real prepared pair and bundle when given, else on a random-init model of the
-producer's architecture with a code space fitted to its own KV (speed does not depend on weights).
+producer's architecture with a code space fitted to its own KV (speed does not depend on weights), once,
+on the first prefix length, and reused for the others (as a calibrated space is: one fit, every length;
+Llama-3-8B's geometry is 64 eigendecompositions of 1024 x 1024 on the host, ``fit_s``).
 Beside the plain decode (fresh output tensors) the same rounds time ``decode_into`` (into one
 preallocated destination, as an engine's KV buffers are: a long prefix's fresh output pages cost
 more than its maths on a CPU) and, where the decode's products run in bf16, ``decode_fp32_products``.
 On CUDA the timed decode reads the payload from device memory (a GPU tier hit) and replays CUDA
 graphs; ``decode_from_host_best_ms`` (bytes in host memory), ``decode_eager_best_ms`` (no
-graphs) and ``decode_fused_best_ms`` (the opt-in fused Triton kernel) are reported beside it.
+graphs) and ``decode_fused_best_ms`` (the opt-in fused Triton kernel) are reported beside it, with
+``fused_kernel``: ``"triton"`` where the kernel ran, ``"fallback: ..."`` where it did not build or run and the
+codec fell back to the PyTorch decode (then ``decode_fused_best_ms`` times that), ``"unavailable: ..."``
+where it was never tried; the report's ``fused_kernel`` sums up the rows (``"not timed"`` off CUDA).
 """
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from collections.abc import Callable
@@ -30,9 +36,11 @@ from scd_store.adapters.transformers.capture import prefill_capture
 from scd_store.adapters.transformers.layout import layout_of
 from scd_store.bench.geometries import DEFAULT_GEOMETRY, GEOMETRIES, geometry
 from scd_store.codecs.kv_state import KVState
+from scd_store.codecs.scd import codec as codec_module
 from scd_store.codecs.scd.codec import ScdCodec
 from scd_store.codecs.scd.decoder import PairDecoder
 from scd_store.codecs.scd.ecsq import fit
+from scd_store.codecs.scd.fused import available as fused_available
 from scd_store.codecs.scd.layout import KVLayout, to_features
 from scd_store.codecs.scd.range_coding import PACKING as ENTROPY_PACKING
 from scd_store.codecs.scd.space import CodeSpace
@@ -136,26 +144,69 @@ def self_fitted_space(model: LlamaForCausalLM, ids: torch.Tensor, budget: float,
     return space_fitted_to(state, layout_of(model), budget, quantiser=quantiser)
 
 
+class _KernelWarnings(logging.Handler):
+    """The codec's warnings that the fused kernel fell back to the PyTorch decode (and why)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "kernel unavailable" in record.getMessage():
+            self.messages.append(record.getMessage())
+
+
+def fused_kernel_state(codec: ScdCodec, device: str, warnings: list[str]) -> str:
+    """Which decode ``codec`` (made with ``fused_kernel=True``) ran: ``"triton"`` (the fused kernel),
+    ``"fallback: WHY"`` (the kernel raised; the codec went on with the PyTorch decode) or
+    ``"unavailable: WHY"`` (never tried)."""
+    head_dim = codec.space.layout.head_dim
+    if not codec.reuse_only:
+        return "unavailable: a PATCH space (the kernel decodes REUSE spaces only)"
+    if not fused_available(device, head_dim):
+        return (f"unavailable: needs CUDA (or Triton's interpreter), Triton installed and heads of a power of two "
+                f"from 32 (here {head_dim})")
+    if codec.fused_kernel:
+        return "triton"
+    return "fallback: " + (warnings[0] if warnings else "the kernel did not run")[:300]
+
+
 def _cuda_variants(codec: ScdCodec, payload: bytes, source: torch.Tensor, config: DecodeBenchConfig,
-                   dtype: torch.dtype) -> dict:
+                   dtype: torch.dtype, tokens: int) -> dict:
     """Best times (ms) of the decode from host bytes (the payload copied in first), without CUDA
-    graphs, and with the opt-in fused Triton kernel (graphs on); a variant that raises is reported
-    as ``<variant>_error`` instead of ending the run."""
+    graphs, and with the opt-in fused Triton kernel (graphs on), and which decode that last one ran
+    (``fused_kernel``); a variant that raises is reported as ``<variant>_error`` instead of ending the run."""
     eager = ScdCodec(codec.space, codec.decoder, cuda_graphs=False)
     fused = ScdCodec(codec.space, codec.decoder, fused_kernel=True)
+    if fused.graphs is not None:
+        fused.graphs.warm_up(config.device, dtype, [tokens], starts=[0])
     runs = config.repeats * config.decodes_per_round
     variants = {"decode_from_host_best_ms": lambda: codec.decode(payload, device=config.device, dtype=dtype),
                 "decode_eager_best_ms": lambda: eager.decode(source, device=config.device, dtype=dtype),
                 "decode_fused_best_ms": lambda: fused.decode(source, device=config.device, dtype=dtype)}
     out: dict = {}
-    for name, fn in variants.items():
-        try:
-            fn(), fn()
-            out[name] = round(min(timed(fn, config.device) for _ in range(runs)) * 1e3, 3)
-        except (RuntimeError, ValueError) as exc:  # one variant failing (e.g. the fused kernel) keeps the others
-            out[name.replace("_best_ms", "_error")] = f"{type(exc).__name__}: {exc}"[:300]
+    warnings = _KernelWarnings()
+    codec_module.log.addHandler(warnings)
+    try:
+        for name, fn in variants.items():
+            try:
+                fn(), fn()
+                out[name] = round(min(timed(fn, config.device) for _ in range(runs)) * 1e3, 3)
+            except (RuntimeError, ValueError) as exc:  # one variant failing (e.g. the fused kernel) keeps the others
+                out[name.replace("_best_ms", "_error")] = f"{type(exc).__name__}: {exc}"[:300]
+    finally:
+        codec_module.log.removeHandler(warnings)
+    out["fused_kernel"] = fused_kernel_state(fused, config.device, warnings.messages)
     out["graph_replays"] = codec.graphs.replays if codec.graphs is not None else 0
     return out
+
+
+def kernels_summary(results: list[dict], on_cuda: bool) -> str:
+    """The report's ``fused_kernel``: the rows' one state, or each distinct one joined by " | "."""
+    if not on_cuda:
+        return "not timed (the fused variant is timed on CUDA only)"
+    states = list(dict.fromkeys(row.get("fused_kernel", "not timed") for row in results))
+    return " | ".join(states)
 
 
 @torch.no_grad()
@@ -167,16 +218,22 @@ def run_decode_bench(config: DecodeBenchConfig, codec: ScdCodec | None = None,
     generator = torch.Generator().manual_seed(0)
     on_cuda = torch.device(config.device).type == "cuda"
     results = []
+    fitted, fit_s = None, 0.0
     for length in config.prefix_tokens:
         ids = torch.randint(0, model.config.vocab_size, (length,), generator=generator).to(config.device)
         if codec is None:
-            space = self_fitted_space(model, ids, config.budget, config.quantiser)
-            bench_codec = ScdCodec(space, PairDecoder.identity(space, "bench"))
+            if fitted is None:  # once, on the first length's own KV: speed depends on the geometry, not the fit
+                fit_start = time.perf_counter()
+                fitted = self_fitted_space(model, ids, config.budget, config.quantiser)
+                fit_s = time.perf_counter() - fit_start
+            bench_codec = ScdCodec(fitted, PairDecoder.identity(fitted, "bench"))
         else:
             bench_codec = codec
         # speed does not depend on whose KV is coded: the timed model's own state stands in for the producer's
         state, _ = prefill_capture(model, ids, hidden_layers=bench_codec.space.patch_layers)
         payload = bench_codec.encode(state.to(dtype=torch.float32))
+        if on_cuda and bench_codec.graphs is not None:  # captured before timing, never while decoding
+            bench_codec.graphs.warm_up(config.device, dtype, [length], starts=[0])
         # the consumer's own prefill as a server runs it: logits for the last token only
         # on an accelerator the codes come from its GPU tier: a device tensor, no host copy
         source = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(config.device) if on_cuda else payload
@@ -212,7 +269,7 @@ def run_decode_bench(config: DecodeBenchConfig, codec: ScdCodec | None = None,
                           "decode_fp32_products_vs_prefill": round(min(times["fp32"]) / min(prefill), 4)})
         encode_s = timed_median(lambda s=state, c=bench_codec: c.encode(s), config.repeats, config.device)
         if on_cuda:
-            extra.update(_cuda_variants(bench_codec, payload, source, config, dtype))
+            extra.update(_cuda_variants(bench_codec, payload, source, config, dtype, length))
         results.append({
             "prefix_tokens": length,
             "payload_bytes": len(payload),
@@ -232,5 +289,6 @@ def run_decode_bench(config: DecodeBenchConfig, codec: ScdCodec | None = None,
             "payload_on": "device" if on_cuda else "host",
             "model": "real" if consumer is not None else f"random-init {GEOMETRIES[config.geometry][0]} geometry",
             "geometry": "real" if consumer is not None else config.geometry,
+            "fit_s": round(fit_s, 3), "fused_kernel": kernels_summary(results, on_cuda),
             "threads": torch.get_num_threads(), "rounds": config.repeats, "decodes_per_round": config.decodes_per_round,
             "results": results}

@@ -12,7 +12,8 @@
 - The GPU tier verified its blobs as they entered (:class:`~scd_store.store.tiers.gpu.GpuTier`): a hit there is
   its kept header, checked against the reader's space (:func:`~scd_store.store.verify.verify_held`), and its
   payload as a tensor view on the device (a :class:`CodeChunk` whose payload is a tensor), never copied to the
-  host (its bytes are read back only to promote it to a tier above it).
+  host (its bytes are read back only to promote it to a tier above it), recorded on the reader's current CUDA
+  stream so an eviction and re-upload cannot overwrite it under a decode that stream still has queued.
 - Hits from a lower tier are copied into every tier above it (local tiers at once, remote ones
   through the write-behind, never blocking the reader).
 """
@@ -216,9 +217,12 @@ class ReadPath:
         return _Found(blob.meta, blob.payload, len(value), ti, value)
 
     def _held(self, key: str, held: DeviceBlob, space: Space, ti: int) -> _Found:
-        """A GPU tier's entry (verified as it entered), its kept header checked against ``space``."""
+        """A GPU tier's entry (verified as it entered), its kept header checked against ``space``; its payload lent
+        to the reader (kept from reuse until the reader's current stream has read it: :meth:`GpuTier.lend`)."""
         verify_held(held.meta, held.key_id, space, self.keyring)
-        return _Found(held.meta, held.payload, held.nbytes, ti, None)
+        tier = self.tiers[ti]
+        assert isinstance(tier, GpuTier)
+        return _Found(held.meta, tier.lend(held), held.nbytes, ti, None)
 
     def _raw(self, ti: int, hits: list[tuple[str, _Found]]) -> list[tuple[str, bytes]]:
         """The bytes of tier ``ti``'s hits, to promote (a GPU tier's are read back: the copy a tier above needs)."""

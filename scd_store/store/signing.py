@@ -143,9 +143,9 @@ class SigningKey:
         check_spaces(self.spaces)
         if len(self.private) != KEY_BYTES:
             raise KeyringError(f"key {self.key_id!r}: an Ed25519 private key is {KEY_BYTES} bytes")
+        key = _ed25519().Ed25519PrivateKey.from_private_bytes(self.private)  # names the package when it is missing
         from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-        key = _ed25519().Ed25519PrivateKey.from_private_bytes(self.private)
         raw = key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
         object.__setattr__(self, "_key", key)
         object.__setattr__(self, "public", VerifyKey(self.key_id, raw, self.until, self.spaces))

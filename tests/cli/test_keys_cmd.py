@@ -8,6 +8,9 @@ from scd_store.cli.main import main
 from scd_store.store.blob import BlobMeta, SignatureError, decode_blob, encode_blob
 from scd_store.store.keyring import Keyring
 from scd_store.store.signing import SigningKey, VerifyKey, parse_key_file
+from tests.conftest import needs_cryptography
+
+pytestmark = needs_cryptography  # every test here makes, signs or verifies with keys
 
 
 def test_a_pair_for_one_space_signs_that_space_only(tmp_path, capsys) -> None:

@@ -23,6 +23,7 @@ from scd_store.codecs.scd import paged_fused as pf
 from scd_store.codecs.scd.codec import ScdCodec
 from tests.codecs.test_scd_fused import space_and_decoder as fitted_space
 from tests.codecs.test_scd_fused import state
+from tests.conftest import skip_without_triton_interpreter
 
 BLOCK, BLOCKS, HEADS, DIM, LAYERS = 16, 6, 2, 64, 2
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -142,6 +143,7 @@ def run_interpreter_checks() -> None:
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, str]:
     pytest.importorskip("triton")
+    skip_without_triton_interpreter()
     code = "from tests.codecs.test_paged_fused import run_interpreter_checks; run_interpreter_checks()"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,

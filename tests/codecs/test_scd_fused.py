@@ -13,6 +13,7 @@ from scd_store.codecs.scd.codec import ScdCodec
 from scd_store.codecs.scd.decoder import PairDecoder
 from scd_store.codecs.scd.layout import KVLayout
 from scd_store.codecs.scd.space import CodeSpace
+from tests.conftest import skip_without_triton_interpreter
 
 LAYOUT64 = KVLayout(num_layers=2, kv_heads=2, head_dim=64, rope_theta=1e4)
 
@@ -43,6 +44,9 @@ def compare(device: str, graphs: bool) -> None:
     fused = ScdCodec(space, decoder, cuda_graphs=graphs, fused_kernel=True)
     plain = ScdCodec(space, decoder, cuda_graphs=False, fused_kernel=False, matmul="float32")  # the kernel: fp32
     for start, tokens in ((0, 70), (1, 130), (40, 64), (7, 5)):
+        if fused.graphs is not None:  # captured at warm-up only: each shape before its first decode
+            for dtype in (torch.float32, torch.bfloat16):
+                fused.graphs.warm_up(device, dtype, [tokens], starts=[start])
         payload = fused.encode(state(tokens, start, seed=start))
         want = plain.decode(payload, device=device)
         for _ in range(3):
@@ -54,10 +58,14 @@ def compare(device: str, graphs: bool) -> None:
         scale = want.keys.abs().max()
         assert float((half.keys.float() - want.keys).abs().max() / scale) < 1e-2
         assert float((half.values.float() - want.values).abs().max() / want.values.abs().max()) < 1e-2
+    assert fused.fused_kernel, "the fused kernel fell back to PyTorch (same result): it must have run here"
+    if fused.graphs is not None:  # every decode replayed a graph (8: four shapes, two dtypes)
+        assert fused.graphs.captures == 8 and fused.graphs.eager_decodes == 0 and fused.graphs.replays == 16
 
 
 def test_fused_kernel_matches_the_pytorch_decode_under_the_interpreter():
     pytest.importorskip("triton")
+    skip_without_triton_interpreter()
     code = "from tests.codecs.test_scd_fused import compare; compare('cpu', False); print('ok')"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,

@@ -6,6 +6,7 @@ import pytest
 
 from scd_store.service import EngineSettings, SettingsError, acquire_service, release_service
 from tests.bundles import PRODUCER, write_tiny_bundle
+from tests.conftest import skip_where_the_store_cannot_sign
 
 
 @pytest.fixture
@@ -58,6 +59,7 @@ def test_bad_settings_name_the_problem(bundle, values, match):
 
 
 def test_engines_with_the_same_settings_share_one_service(bundle, tmp_path, monkeypatch):
+    skip_where_the_store_cannot_sign()  # the default store's disk tier signs with the host keyring
     monkeypatch.setenv("SCD_STORE_HOME", str(tmp_path / "home"))
     settings = EngineSettings.from_mapping({"bundles": [str(bundle)]})
     first = acquire_service(settings)

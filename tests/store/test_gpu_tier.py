@@ -1,10 +1,11 @@
 """The GPU tier: blobs verified as they enter, hits handed out as their kept header and a tensor view of the
-payload (no host copy), eviction by bytes. Runs on a CPU through a host-backed tier (tests.store.gpu_helpers);
-the CUDA variants run where CUDA is present."""
+payload (no host copy) kept for the reader's CUDA stream, eviction by bytes. Runs on a CPU through a host-backed
+tier (tests.store.gpu_helpers); the CUDA variants run where CUDA is present."""
 
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 import torch
@@ -17,15 +18,18 @@ from scd_store.store.signing import SigningKey
 from scd_store.store.tiered import TieredStore
 from scd_store.store.tiers.base import TierError
 from scd_store.store.tiers.cpu import CpuTier
-from scd_store.store.tiers.gpu import GpuTier
+from scd_store.store.tiers.gpu import GpuTier, keep_for_stream
 from scd_store.store.verify import verify_entry, verify_held
+from tests.conftest import needs_cryptography, with_cryptography
 from tests.store.conftest import HASHES, PAYLOADS, SPACE, put_all
 from tests.store.gpu_helpers import HostGpuTier, cuda, forbid_host_copies, gpu_tiers
 from tests.store.test_signing import replace_file
 
 KEYS = hash_keys("space-a", generation_of("space-fp"), HASHES)
 META = BlobMeta("raw", "space-fp", 4)
-PRODUCER_KEY, ATTACKER = (SigningKey("k1", bytes([n]) * 32, spaces=("*",)) for n in (1, 3))
+# None where cryptography is missing: the tests that sign or verify carry needs_cryptography
+PRODUCER_KEY, ATTACKER = with_cryptography(lambda: tuple(SigningKey("k1", bytes([n]) * 32, spaces=("*",))
+                                                         for n in (1, 3)), (None, None))
 
 
 def blob(i: int, *, key: str | None = None, signer: SigningKey | None = None, meta: BlobMeta = META) -> bytes:
@@ -113,6 +117,7 @@ def test_a_corrupted_blob_never_enters_and_is_counted(gpu_store, caplog) -> None
     assert consumer_of(gpu_store).get(HASHES) == []
 
 
+@needs_cryptography
 def test_a_blob_with_a_bad_signature_never_enters(signed_store, tmp_path) -> None:
     gpu = signed_store.tiers[0]
     gpu.put_now(KEYS[0], blob(0, signer=ATTACKER))  # forged: same key id, another key
@@ -123,6 +128,7 @@ def test_a_blob_with_a_bad_signature_never_enters(signed_store, tmp_path) -> Non
     assert gpu.contains_now(KEYS[0]) and gpu.get_blobs_now([KEYS[0]])[0].key_id == "k1"
 
 
+@needs_cryptography
 def test_a_blob_under_another_key_never_enters(signed_store, gpu_store) -> None:
     signed = signed_store.tiers[0]
     signed.put_now(KEYS[1], blob(0, signer=PRODUCER_KEY))  # genuine for KEYS[0]: its signature covers that key
@@ -158,6 +164,7 @@ def test_a_gpu_tier_below_the_top_promotes_its_bytes(registry, gpu_cls) -> None:
 
 
 # ----------------------------------------------------------------- a hit: the kept header against the reader
+@needs_cryptography
 def test_a_key_rotated_out_ends_what_it_signed_on_the_gpu_tier(signed_store, tmp_path) -> None:
     put_all(signed_store, 2)
     assert len(consumer_of(signed_store).get(HASHES)) == 2
@@ -167,6 +174,7 @@ def test_a_key_rotated_out_ends_what_it_signed_on_the_gpu_tier(signed_store, tmp
     assert not signed_store.tiers[0].contains_now(KEYS[0])  # this process's memory: deleted
 
 
+@needs_cryptography
 def test_verify_held_checks_the_readers_space_on_the_kept_header(tmp_path) -> None:
     verify_held(META, "", SPACE, None)
     with pytest.raises(ForeignBlob):
@@ -204,6 +212,72 @@ def test_eviction_bookkeeping(registry, gpu_cls) -> None:
         gpu.put_now(KEYS[4], big)  # larger than the whole tier: refused, nothing flushed
         assert gpu.rejected_too_large == 1 and gpu.contains_now(KEYS[2])
         assert [c.tier for c in consumer_of(st).get(HASHES[2:3])] == ["gpu"]
+
+
+# ----------------------------------------------------------------- payloads kept for the reader's stream
+class WatchedTier(HostGpuTier):
+    """A host-backed tier noting each tensor it keeps for a reader: (storage pointer, the reader's thread)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(max_bytes)
+        self.kept: list[tuple[int, str]] = []
+
+    def _keep(self, tensor: torch.Tensor) -> None:
+        self.kept.append((tensor.untyped_storage().data_ptr(), threading.current_thread().name))
+
+
+def test_every_gpu_tier_payload_handed_out_is_kept_for_the_readers_stream(registry) -> None:
+    with make_store(registry, [WatchedTier(1 << 20)]) as st:
+        put_all(st)
+        chunks: list = []
+        reader = threading.Thread(target=lambda: chunks.extend(consumer_of(st).get(HASHES)), name="reader")
+        reader.start()
+        reader.join()
+        assert [c.tier for c in chunks] == ["gpu"] * 6
+        assert st.tiers[0].kept == [(c.payload.untyped_storage().data_ptr(), "reader") for c in chunks]
+        data = st.tiers[0].get_tensor(KEYS[0])
+        assert st.tiers[0].kept[-1] == (data.untyped_storage().data_ptr(), "MainThread")
+
+
+def test_keep_for_stream_records_a_cuda_tensor_on_the_current_stream(monkeypatch) -> None:
+    class Payload:  # a CUDA tensor's face, on a CPU
+        device = torch.device("cuda", 0)
+
+        def __init__(self) -> None:
+            self.streams: list[str] = []
+
+        def record_stream(self, stream: str) -> None:
+            self.streams.append(stream)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: f"current on {device}")
+    payload = Payload()
+    keep_for_stream(payload)  # type: ignore[arg-type]
+    keep_for_stream(payload, "decode stream")  # type: ignore[arg-type]
+    assert payload.streams == ["current on cuda:0", "decode stream"]
+    keep_for_stream(torch.zeros(3))  # host memory: nothing to keep
+
+
+@cuda
+def test_a_gpu_tier_payload_outlives_eviction_and_reupload_while_a_reader_stream_reads_it(registry) -> None:
+    """A reader's stream still reading a hit (a long kernel first) when the blob is evicted and two blobs of its
+    size are uploaded: the caching allocator does not hand the hit's memory to either upload."""
+    size = 1 << 16
+    blobs = [encode_blob(META, bytes([n]) * size, key=KEYS[n]) for n in range(3)]
+    with make_store(registry, [GpuTier(len(blobs[0]) + 16)]) as st:
+        gpu = st.tiers[0]
+        gpu.put_now(KEYS[0], blobs[0])
+        reader = torch.cuda.Stream()
+        with torch.cuda.stream(reader):
+            chunks = consumer_of(st).get(HASHES[:1])
+            assert [c.tier for c in chunks] == ["gpu"]
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the read
+            seen = chunks[0].payload.clone()
+        del chunks  # the reader's last reference: the memory is freed with the read still queued
+        gpu.put_now(KEYS[1], blobs[1])  # evicts blob 0
+        gpu.put_now(KEYS[2], blobs[2])  # evicts blob 1; without record_stream it could take blob 0's memory
+        assert gpu.contains_many_now(KEYS[:3]) == [False, False, True]
+        reader.synchronize()
+        assert bool((seen == 0).all()), "the hit was overwritten by a later upload before its reader read it"
 
 
 # ----------------------------------------------------------------- construction

@@ -17,9 +17,11 @@ from scd_store.store.signing import KeyringError, SigningKey, write_key_file
 from scd_store.store.tiers.peer import PeerTier
 from scd_store.store.transfer.directory import FilePeerDirectory
 from scd_store.store.transfer.entry import LocationEntry
+from tests.conftest import skip_without_cryptography
 from tests.store.conftest import HASHES
 from tests.store.test_signing import replace_file
 
+skip_without_cryptography()  # every test here signs or verifies
 A_KEY = SigningKey("ka", bytes([1]) * 32, spaces=("space-a",))
 B_KEY = SigningKey("kb", bytes([2]) * 32, spaces=("space-b",))
 META = BlobMeta("raw", "fp-b", 4)

@@ -18,6 +18,7 @@ from scd_store.store.keys import generation_of, hash_keys
 from scd_store.store.registry import FileRegistry
 from scd_store.store.signing import ALL_SPACES, SigningKey
 from scd_store.store.stats import StoreStats
+from tests.conftest import needs_cryptography
 from tests.store.conftest import HASHES, PAIR, SPACE
 
 NO_ENV: dict[str, str] = {}
@@ -41,6 +42,7 @@ def test_memory_only_tiers_need_no_keys(home, tmp_path) -> None:
     assert keyring_for(config("cpu", tmp_path=tmp_path), NO_ENV) is None
 
 
+@needs_cryptography
 def test_a_disk_tier_signs_with_the_host_keyring(home, tmp_path) -> None:
     ring = keyring_for(config("cpu", "disk", tmp_path=tmp_path), NO_ENV)
     assert ring is not None and ring.can_sign
@@ -57,6 +59,7 @@ def _make_host_keyring(directory: str) -> str:
     return signer.public.public.hex()
 
 
+@needs_cryptography
 def test_processes_starting_together_make_one_host_key(tmp_path) -> None:
     with multiprocessing.get_context("spawn").Pool(4) as pool:
         publics = pool.map(_make_host_keyring, [str(tmp_path / "keys")] * 8)
@@ -64,6 +67,7 @@ def test_processes_starting_together_make_one_host_key(tmp_path) -> None:
     assert not [p for p in (tmp_path / "keys").iterdir() if p.name != HOST_FILE]  # no temp files left
 
 
+@needs_cryptography
 def test_an_unsafe_host_keyring_is_refused(tmp_path) -> None:
     (tmp_path / "keys").mkdir(mode=0o700)
     host_keyring(tmp_path / "keys")
@@ -76,6 +80,7 @@ def test_an_unsafe_host_keyring_is_refused(tmp_path) -> None:
         host_keyring(tmp_path / "keys")
 
 
+@needs_cryptography
 @pytest.mark.parametrize("kind", ["redis", "peer"])
 def test_a_tier_other_hosts_reach_needs_configured_keys_or_an_opt_out(home, tmp_path, kind, caplog) -> None:
     with pytest.raises(ConfigError, match="scd-store keys new"):
@@ -101,6 +106,7 @@ def test_a_registry_inside_a_disk_tier_is_refused(tmp_path) -> None:
         config("disk", tmp_path=tmp_path, registry_path=str(tmp_path / "disk" / "registry.json"))
 
 
+@needs_cryptography
 def test_failed_key_reloads_are_counted(home, tmp_path) -> None:
     private, _ = deployment_keys(tmp_path / "deploy")
     stats = StoreStats()
@@ -113,6 +119,7 @@ def test_failed_key_reloads_are_counted(home, tmp_path) -> None:
     assert stats.value("keyring_errors") == 1
 
 
+@needs_cryptography
 def test_the_embedded_default_refuses_a_planted_file(home, tmp_path) -> None:
     """The default (cpu + disk, no keys configured): a file another writer planted under the disk tier's root
     is a miss, where before its checksum (no MAC) let it be decoded."""

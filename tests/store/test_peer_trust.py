@@ -17,6 +17,7 @@ from scd_store.store.tiers import peer as peer_module
 from scd_store.store.tiers.peer import PeerTier
 from scd_store.store.transfer.base import SourceInfo
 from scd_store.store.transfer.directory import FilePeerDirectory, PeerDirectory
+from tests.conftest import skip_without_cryptography
 
 KEYS = hash_keys("sp", generation_of("fp"), chunk_hashes(list(range(40)), 4))
 OTHER_SPACE_KEY = hash_keys("other", generation_of("fp"), chunk_hashes(list(range(4)), 4))[0]
@@ -29,6 +30,7 @@ def run(coro):
 @pytest.fixture
 def keyrings(tmp_path):
     """``(private, public)`` keyrings of one key for every space."""
+    skip_without_cryptography()
     key = SigningKey.generate("k1", spaces=(ALL_SPACES,))
     assert key.public is not None
     write_key_file(tmp_path / "private.keys", [key.line()], private=True)

@@ -16,10 +16,13 @@ from scd_store.store.signing import KeyringError, SigningKey, parse_inline_key, 
 from scd_store.store.tiered import TieredStore
 from scd_store.store.tiers.cpu import CpuTier
 from scd_store.store.tiers.disk import DiskTier
+from tests.conftest import needs_cryptography, with_cryptography
 from tests.store.conftest import HASHES, PAYLOADS, put_all
 
 EVERY = ("*",)
-OLD, NEW, ATTACKER = (SigningKey(name, bytes([n]) * 32, spaces=EVERY) for n, name in ((1, "k1"), (2, "k2"), (3, "k1")))
+pytestmark = needs_cryptography  # every test here signs or verifies; replace_file stays importable without it
+OLD, NEW, ATTACKER = with_cryptography(lambda: tuple(SigningKey(name, bytes([n]) * 32, spaces=EVERY) for n, name in (
+    (1, "k1"), (2, "k2"), (3, "k1"))), (None, None, None))
 META = BlobMeta("raw", "space-fp", 4)
 KEY_A, KEY_B = hash_keys("space-a", generation_of("space-fp"), HASHES[:2])
 

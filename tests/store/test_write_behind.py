@@ -6,6 +6,7 @@ import time
 
 from scd_store.store.tiered import TieredStore
 from scd_store.store.tiers.cpu import CpuTier
+from tests.conftest import skip_where_the_store_cannot_sign
 from tests.store.conftest import HASHES, FailingTier, SlowTier, put_all
 
 
@@ -118,6 +119,7 @@ def test_each_tier_has_its_own_deadline(registry) -> None:
 
 
 def test_tier_deadlines_come_from_the_config(tmp_path, monkeypatch) -> None:
+    skip_where_the_store_cannot_sign()  # a disk tier: the store signs with the host keyring
     from scd_store.store.build import open_store
 
     monkeypatch.setenv("SCD_STORE_HOME", str(tmp_path / "home"))  # its stats snapshot goes there

@@ -9,6 +9,11 @@ tensor (:class:`DeviceBlob`), so a hit hands the decode the verified header and 
 with no device-to-host copy (:meth:`GpuTier.get_blobs_now`); the read path checks the kept header against the
 reader's space (:func:`~scd_store.store.verify.verify_held`). ``get_now`` still returns bytes (a copy out),
 for promotions to a tier below it and the write-behind's re-sync.
+
+A payload handed to a reader (:meth:`GpuTier.lend`, :meth:`GpuTier.get_tensor`) is recorded on the reader's current
+CUDA stream (:func:`keep_for_stream`): an eviction drops the tier's reference at once, but PyTorch's caching
+allocator reuses the memory (a re-upload on the putting thread's stream) only once the work the reader's stream had
+queued when the last reference went (a decode still reading it) has run.
 """
 
 from __future__ import annotations
@@ -28,6 +33,18 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger("scd_store.store")
+
+
+def keep_for_stream(tensor: torch.Tensor, stream: Any = None) -> None:
+    """Keep ``tensor``'s device memory from reuse until the work queued on ``stream`` (default: the calling
+    thread's current stream on the tensor's device) by the time the memory is freed has run: PyTorch's
+    ``record_stream``, for a tensor (or a view of one) read on another stream than the one that allocated it.
+    Nothing off CUDA."""
+    if tensor.device.type != "cuda":
+        return
+    import torch
+
+    tensor.record_stream(stream if stream is not None else torch.cuda.current_stream(tensor.device))
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,13 +103,28 @@ class GpuTier(LruTier):
 
     # ----------------------------------------------------------------- reads
     def get_blobs_now(self, keys: Sequence[str]) -> list[DeviceBlob | None]:
-        """The verified entries of ``keys`` (None where absent), most recently used now; nothing is copied."""
+        """The verified entries of ``keys`` (None where absent), most recently used now; nothing is copied.
+        A reader takes a payload through :meth:`lend`."""
         return self._lru.get_many(keys)
 
+    def lend(self, blob: DeviceBlob) -> torch.Tensor:
+        """``blob``'s payload for a reader on the calling thread, its memory kept from reuse (after an eviction)
+        until the work the reader's current stream queues on it has run (:func:`keep_for_stream`)."""
+        payload = blob.payload
+        self._keep(payload)
+        return payload
+
     def get_tensor(self, key: str) -> torch.Tensor | None:
-        """A blob's whole tensor on the device (header and trailer included), or None."""
+        """A blob's whole tensor on the device (header and trailer included), or None; kept as :meth:`lend`."""
         entry = self._lru.get(key)
-        return None if entry is None else entry.data
+        if entry is None:
+            return None
+        self._keep(entry.data)
+        return entry.data
+
+    def _keep(self, tensor: torch.Tensor) -> None:
+        """Record ``tensor`` on the calling thread's current stream (tests override it to watch)."""
+        keep_for_stream(tensor)
 
     def get_now(self, key: str) -> bytes | None:
         entry = self._lru.get(key)

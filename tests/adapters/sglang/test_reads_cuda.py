@@ -19,6 +19,7 @@ from scd_store.service import EngineSettings, acquire_service, release_service
 from tests.adapters.sglang.host_pool import PAGE, HostPool
 from tests.adapters.sglang.test_device import recording_decode
 from tests.bundles import PRODUCER, correlated_state, write_tiny_bundle
+from tests.conftest import skip_where_the_store_cannot_sign
 
 PAGES = 3
 HASHES = [bytes([i + 1]) * 16 for i in range(PAGES)]
@@ -27,6 +28,7 @@ TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3}  # about one rounding of 
 
 @pytest.fixture
 def service(tmp_path, monkeypatch):
+    skip_where_the_store_cannot_sign()  # the default store's disk tier signs with the host keyring
     monkeypatch.setenv("SCD_STORE_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("SCD_STORE_DECODE_MATMUL", "float32")
     write_tiny_bundle(tmp_path / "bundle", consumers=("consumer-a",))
