@@ -146,6 +146,31 @@ class ScdConnector(KVConnectorBase_V1):
             self.check_hashing(lora.lora_name)
         return self._scheduler.match(request, num_computed_tokens)
 
+    def may_load_async(self, request: Request) -> bool:
+        """vLLM 0.34: whether this request's hit may load asynchronously (it may then start loading before the
+        running batch has room, ``--max-num-inflight-kv-loads``): a registered consumer's request with
+        ``async_loads`` on, whose hit a remote tier may hold. Cheap: no lookup (never a false negative)."""
+        return self._scheduler is not None and self.async_loads and self._scheduler.may_load(request)
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
+        """vLLM 0.34: the loaded tokens by the tier that held them (gpu: device, cpu: host, disk: disk, a peer:
+        p2p, Redis: external_unspecified), summing to ``num_external_tokens``."""
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+        planned = self._scheduler.sources.pop(request.request_id, {}) if self._scheduler is not None else {}
+        if num_external_tokens <= 0:
+            return {}
+        if sum(planned.values()) != num_external_tokens:
+            return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
+        return {CacheHitSource(source): tokens for source, tokens in planned.items()}
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.34: no. The connector's fetch threads and its views of the KV cache are not drained and re-armed
+        around the cache's remap (``unregister_kv_caches`` / ``restore_kv_caches``), so an engine with it does not
+        offer sleep mode."""
+        return False
+
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._scheduler is not None
         self._scheduler.after_alloc(request, list(blocks.get_block_ids()[0]), num_external_tokens)
@@ -185,7 +210,11 @@ class ScdConnector(KVConnectorBase_V1):
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
                       **kwargs: Any) -> None:
-        return  # chunks are gathered once every layer has been written (wait_for_save)
+        """Chunks are gathered once every layer has been written (:meth:`wait_for_save`), ordered after this: the
+        forward's write of the layer, on the stream it runs on."""
+        plan = self._get_connector_metadata() if self.has_connector_metadata() else None
+        if self._worker is not None and isinstance(plan, StepPlan) and plan.saves:
+            self._worker.layer_written()
 
     def wait_for_save(self) -> None:
         plan = self._get_connector_metadata() if self.has_connector_metadata() else None

@@ -1,10 +1,13 @@
-"""The producer's hand-off from the engine's device to scd-store's put worker: :func:`to_host`.
+"""The producer's hand-off from the engine's device to scd-store's put worker: :func:`copy_blocks`.
 
-On a CUDA engine the engine's thread must not wait for a device-to-host copy: the gathered blocks
-are copied into pinned host memory with non-blocking copies on the engine's current stream, and an
-event recorded after them is what the put worker waits on (:meth:`HostCopy.wait`) before it reads
-them. Pinned memory comes from PyTorch's caching host allocator, which reuses a block only once the
-copies that used it are done. On the CPU the gathered blocks are already host copies.
+On a CUDA engine the engine's thread must not wait for a device-to-host copy: the chunks' blocks are
+gathered and copied into pinned host memory with non-blocking copies on the cache device's current
+stream, ordered after the event the engine's forward recorded when it wrote them (:func:`written_event`,
+from ``save_kv_layer``: whichever stream is current when the save runs, the gather never reads blocks
+before they hold the step's KV), and an event recorded after the copies on that same stream is what the
+put worker waits on (:meth:`HostCopy.wait`) before it reads them. Pinned memory comes from PyTorch's
+caching host allocator, which reuses a block only once the copies that used it are done. On the CPU the
+gathered blocks are already host copies.
 """
 
 from __future__ import annotations
@@ -29,8 +32,35 @@ class HostCopy:
             self.event.synchronize()
 
 
-def to_host(tensors: list[torch.Tensor]) -> HostCopy:
-    """Host copies of ``tensors`` without making the calling thread wait (see the module's docstring)."""
+def written_event(device: torch.device) -> Any:
+    """An event on ``device``'s current stream now (the engine's forward, as it writes the KV); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def copy_blocks(caches: list[torch.Tensor], index: torch.Tensor, parts: list[int], after: Any = None) -> HostCopy:
+    """Every layer's blocks ``index`` (on the caches' device), chunk by chunk (``parts``: blocks per chunk),
+    gathered (``index_select``) and copied to host memory, after the event ``after`` on a GPU (the module's
+    docstring): the tensors of chunk ``i`` are ``[i * layers, (i + 1) * layers)``."""
+    device = caches[0].device
+    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+    if stream is not None and after is not None:
+        stream.wait_event(after)
+    gathered: list[torch.Tensor] = []
+    offset = 0
+    for count in parts:
+        part = index[offset:offset + count]
+        offset += count
+        gathered.extend(cache.index_select(0, part) for cache in caches)
+    return to_host(gathered, stream)
+
+
+def to_host(tensors: list[torch.Tensor], stream: Any = None) -> HostCopy:
+    """Host copies of ``tensors`` without making the calling thread wait, the event recorded on ``stream`` (default:
+    the current stream of the tensors' device, which the copies were queued on)."""
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     if not tensors or all(t.device.type == "cpu" for t in tensors):
         return HostCopy(list(tensors), None, nbytes)
@@ -40,5 +70,5 @@ def to_host(tensors: list[torch.Tensor]) -> HostCopy:
         pinned.copy_(tensor, non_blocking=True)
         host.append(pinned)
     event = torch.cuda.Event()
-    event.record()  # on the current stream, after the copies
+    event.record(stream if stream is not None else torch.cuda.current_stream(tensors[0].device))
     return HostCopy(host, event, nbytes)

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from scd_store.adapters.vllm.hit_sources import token_sources
 from scd_store.adapters.vllm.lookups import Lookups
 from scd_store.adapters.vllm.plan import ChunkLoad, ChunkSave, StepPlan, slots_of
 from scd_store.adapters.vllm.refill import Refill
@@ -104,12 +105,14 @@ class SchedulerSide:
         self.block_size = block_size
         self.chunk_size = service.chunk_size
         self.async_loads = async_loads
-        self._hits: dict[str, tuple[str, list[bytes], bool]] = {}
+        self._hits: dict[str, tuple[str, list[bytes], bool, tuple[str, ...]]] = {}
         self._loads: list[ChunkLoad] = []
         self._lookups: list[tuple[str, int]] = []
         self._producing: dict[str, _Producing] = {}
         self._refilling: dict[str, _Refilling] = {}
         self._held: dict[str, _Held] = {}  # finished requests whose blocks wait for their refill check
+        self._started: set[str] = set()  # requests scheduled once: sent again, they were resumed
+        self.sources: dict[str, dict[str, int]] = {}  # a load's tokens by source, until vLLM asks
         self.refill_hold_s = refill_hold_s
         self.max_held = max_held
         self._clock = clock
@@ -180,8 +183,15 @@ class SchedulerSide:
             self._hits.pop(request.request_id, None)
             return 0, False
         asynchronous = self.async_loads and found.remote_chunks > 0
-        self._hits[request.request_id] = (model, hashes[:found.chunks], asynchronous)
+        self._hits[request.request_id] = (model, hashes[:found.chunks], asynchronous, tuple(found.tiers))
         return matched - num_computed_tokens, asynchronous
+
+    def may_load(self, request: Any) -> bool:
+        """Whether ``request`` may be offered a hit at all (a registered consumer's keyable request that asks to
+        load): what vLLM's ``may_load_async`` is told, without a lookup."""
+        model = request_model(request, self.served_model)
+        return self._role(model) == "consumer" and not skips_load(request, self.skip_param) and keyable(request) \
+            and request.request_id not in self._planned
 
     def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
         """Plan the load of a hit the scheduler accepted (``num_external_tokens`` of it)."""
@@ -190,17 +200,19 @@ class SchedulerSide:
             self.lookups.forget(request.request_id)
         if num_external_tokens <= 0 or hit is None:
             return
-        model, hashes, asynchronous = hit
+        model, hashes, asynchronous, tiers = hit
         self._planned.add(request.request_id)
         if asynchronous:
             self._loading.add(request.request_id)
         end = len(hashes) * self.chunk_size
         first = end - num_external_tokens
+        self.sources[request.request_id] = token_sources(tiers, self.chunk_size, first, end)
         self._loads.append(ChunkLoad(request.request_id, model, hashes, self.chunk_size, first, list(block_ids),
                                      self.block_size, asynchronous))
 
     # ------------------------------------------------------------ producer saves
     def _start_producing(self, new_req: Any) -> None:
+        self._started.add(new_req.req_id)
         request = self._requests.get(new_req.req_id, new_req)
         if getattr(request, "lora_request", None) is not None or getattr(new_req, "lora_request", None) is not None:
             return  # only the served base model produces: an adapter named like the producer is its own weights
@@ -281,29 +293,39 @@ class SchedulerSide:
             self._release_ready(req_id, plan)
         scheduled = scheduler_output.num_scheduled_tokens
         for new_req in scheduler_output.scheduled_new_reqs:
-            self._start_producing(new_req)
+            if new_req.req_id in self._started:  # resumed after a preemption, sent anew (vLLM >= 0.33, V2 runner)
+                self._resumed(new_req.req_id, list(new_req.block_ids[0]))
+            else:
+                self._start_producing(new_req)
             if new_req.req_id in self._producing:
                 self._save_ready(new_req.req_id, new_req.num_computed_tokens + scheduled.get(new_req.req_id, 0),
                                  plan.saves)
             if new_req.req_id in self._refilling:
                 self._refill_ready(new_req.req_id, plan.saves)
         cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", ())  # vLLM 0.32's V1 runner resumes requests here
         for i, req_id in enumerate(cached.req_ids):
-            if req_id in cached.resumed_req_ids:  # preempted: its blocks were freed; the next request refills
-                self._refilling.pop(req_id, None)
+            new_blocks = cached.new_block_ids[i]
+            if req_id in resumed:
+                self._resumed(req_id, list(new_blocks[0]) if new_blocks is not None else None)
             elif req_id in self._refilling:
                 self._refill_ready(req_id, plan.saves)
             producing = self._producing.get(req_id)
             if producing is None:
                 continue
-            new_blocks = cached.new_block_ids[i]
-            if new_blocks is not None:
-                if req_id in cached.resumed_req_ids:
-                    producing.block_ids = list(new_blocks[0])
-                else:
-                    producing.block_ids.extend(new_blocks[0])
+            if new_blocks is not None and req_id not in resumed:
+                producing.block_ids.extend(new_blocks[0])
             self._save_ready(req_id, cached.num_computed_tokens[i] + scheduled.get(req_id, 0), plan.saves)
         return plan
+
+    def _resumed(self, req_id: str, block_ids: list[int] | None) -> None:
+        """A request resumed after a preemption, with its blocks now: its blocks were freed, so a refill of the
+        old ones is dropped (not asked again: the next request of the prefix refills); a producer keeps its
+        store progress (what it stored before is not stored again) and saves the rest from its new blocks."""
+        self._refilling.pop(req_id, None)
+        producing = self._producing.get(req_id)
+        if producing is not None and block_ids is not None:
+            producing.block_ids = block_ids
 
     def loads_finished(self, req_ids: Any) -> None:
         """The asynchronous loads the workers reported finished (vLLM's ``finished_recving``)."""
@@ -321,6 +343,8 @@ class SchedulerSide:
             self._loading.discard(request.request_id)
             self._cancelled.append(request.request_id)
         self._producing.pop(request.request_id, None)
+        self._started.discard(request.request_id)
+        self.sources.pop(request.request_id, None)
         refilling = self._refilling.pop(request.request_id, None)
         hold = refilling is not None and self._may_hold(request, refilling, block_ids)
         if refilling is not None and hold:

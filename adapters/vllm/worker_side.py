@@ -37,7 +37,7 @@ import torch
 
 from scd_store.adapters.vllm.async_loads import AsyncLoads, Gate, OpenGate
 from scd_store.adapters.vllm.engine_check import check_layers
-from scd_store.adapters.vllm.host_copy import to_host
+from scd_store.adapters.vllm.host_copy import copy_blocks, written_event
 from scd_store.adapters.vllm.paged_layout import (
     BlockMap,
     LayoutError,
@@ -79,6 +79,8 @@ class WorkerSide:
         self.caches: list[torch.Tensor] = []
         self.layers: list[Any] = []
         self._maps: list[BlockMap] | None = None
+        self._maps_error: LayoutError | None = None
+        self._written: Any = None  # on a GPU: the event of the forward's last KV write this step
         self._paged: tuple[PagedCaches | None] | None = None  # decided once, on the first load
         self.heads: HeadShare | None = None  # this rank's share of the KV heads (None: all of them)
         self._failed: set[int] = set()
@@ -102,19 +104,29 @@ class WorkerSide:
                 raise LayoutError(f"KV cache {name!r} holds {cache.shape[1]} heads; this rank's share is heads "
                                   f"{heads.first}..{heads.first + heads.count - 1} of {heads.total}")
         self.heads = heads if heads is not None and not heads.is_whole else None
+        self._probe()
+
+    def _probe(self) -> None:
+        """Derive the layers' gather maps and the paged target from the backend's op now, on the engine's thread at
+        registration, never later on a put or fetch thread mid-serving (the probes launch the backend's kernels);
+        a layout the maps cannot explain is kept as the error saves report."""
+        self._maps, self._maps_error = None, None
+        try:
+            self._maps = layer_maps(self.layers, self.caches)
+        except LayoutError as exc:
+            self._maps_error = exc
+        self._paged = (paged_target(self.layers, self.caches),)
 
     def maps(self) -> list[BlockMap]:
-        """Each layer's gather map (derived from the backend's op on first use)."""
+        """Each layer's gather map (derived at registration); :class:`LayoutError` when it could not be."""
         if self._maps is None:
-            self._maps = layer_maps(self.layers, self.caches)
+            raise self._maps_error or LayoutError("no KV caches are registered")
         return self._maps
 
     def paged(self) -> PagedCaches | None:
-        """The caches as one slot-table target where loads decode straight into them, else None (decided on
-        first use, from the backend's own op)."""
-        if self._paged is None:
-            self._paged = (paged_target(self.layers, self.caches),)
-        return self._paged[0]
+        """The caches as one slot-table target where loads decode straight into them, else None (decided at
+        registration, from the backend's own op)."""
+        return self._paged[0] if self._paged is not None else None
 
     # ------------------------------------------------------------ loads
     def count_lookups(self, plan: StepPlan) -> None:
@@ -273,6 +285,12 @@ class WorkerSide:
         return failed
 
     # ------------------------------------------------------------ saves
+    def layer_written(self) -> None:
+        """The engine's forward wrote a layer's KV (vLLM's ``save_kv_layer``): the step's save copy is ordered after
+        it on a GPU (:func:`~scd_store.adapters.vllm.host_copy.copy_blocks`)."""
+        if self.caches:
+            self._written = written_event(self.caches[0].device)
+
     def release(self, req_ids: list[str]) -> None:
         """Finished producer requests whose blocks were held for a refill check, released by this step's plan
         (after its saves copied them): reported once by the next :meth:`finished_saves`."""
@@ -292,16 +310,17 @@ class WorkerSide:
                             "(logged once)", self.heads.first, self.heads.first + self.heads.count - 1,
                             self.heads.total)
             return
+        after, self._written = self._written, None
         for save in plan.saves:
             started = time.perf_counter()
             try:
-                self._save_one(save)
+                self._save_one(save, after)
             except LayoutError as exc:
                 self._once.warn("save-layout", "scd-store: cannot read vLLM's cache; not storing (logged once): %s",
                                 exc)
             self.service.observe("vllm_save_copy", time.perf_counter() - started)
 
-    def _save_one(self, save: ChunkSave) -> None:
+    def _save_one(self, save: ChunkSave, after: Any = None) -> None:
         """The engine's thread copies the chunks' whole blocks as they lie (one ``index_select`` per layer,
         then, on a GPU, a non-blocking copy to pinned host memory); the put worker waits for that copy,
         un-packs the blocks through the layer maps and encodes."""
@@ -315,13 +334,7 @@ class WorkerSide:
                             len(save.hashes), nbytes)
             return
         index = device_index([b for chunk in blocks for b in chunk], self.caches[0].device)
-        gathered: list[torch.Tensor] = []
-        offset = 0
-        for chunk in blocks:
-            part = index[offset:offset + len(chunk)]
-            offset += len(chunk)
-            gathered.extend(cache.index_select(0, part) for cache in self.caches)
-        host = to_host(gathered)
+        host = copy_blocks(self.caches, index, [len(chunk) for chunk in blocks], after)
         copied = [(host.tensors[i * layers:(i + 1) * layers], start) for i, start in enumerate(save.starts)]
 
         def states() -> list[KVState] | None:  # on scd-store's put worker

@@ -236,7 +236,7 @@ class KVService:
         if view is None:
             return Lookup(0, 0)
         hit = self._access.call("contains", lambda: view.lookup(hashes), None)
-        return Lookup(hit.hit_chunks, hit.remote_chunks) if hit is not None else Lookup(0, 0)
+        return Lookup(hit.hit_chunks, hit.remote_chunks, hit.tiers) if hit is not None else Lookup(0, 0)
 
     def readable_by_others(self, model: str, hashes: Sequence[bytes]) -> int:
         """For a producer: chunks of the leading run of ``hashes`` the tiers other processes read (Redis, peers)

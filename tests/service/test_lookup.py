@@ -20,10 +20,10 @@ def test_chunks_only_a_remote_tier_holds_are_counted_as_remote(tmp_path):
         _, parts = chunks()
         assert service.put(PRODUCER, HASHES, parts) == 3
         store.flush(timeout=10)
-        assert service.lookup("consumer-a", HASHES) == Lookup(3, 0)  # all in this host's CPU tier
+        assert service.lookup("consumer-a", HASHES) == Lookup(3, 0, ("cpu",) * 3)  # all in this host's CPU tier
         third = [k for k in remote.data if HASHES[2].hex() in k]
         assert len(third) == 1 and cpu.delete_now(third[0])  # the CPU tier lost the third chunk; Redis has it
-        assert service.lookup("consumer-a", HASHES) == Lookup(3, 1)
+        assert service.lookup("consumer-a", HASHES) == Lookup(3, 1, ("cpu", "cpu", "flaky"))
         assert service.contains("consumer-a", HASHES) == 3
         assert service.lookup("stranger", HASHES) == Lookup(0, 0)
         remote.broken = True  # a remote tier that cannot answer holds nothing a lookup can count on

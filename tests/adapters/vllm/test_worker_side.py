@@ -55,11 +55,20 @@ def test_a_producer_chunk_is_copied_as_blocks_and_unpacked_off_the_engine_thread
                     {f"model.layers.{i}.self_attn.attn": layer for i, layer in enumerate(layers)})
     save = ChunkSave("r1", "producer", [b"\x01" * 16, b"\x02" * 16], [0, 2 * block],
                      [slots.tolist()[:2 * block], slots.tolist()[2 * block:]])
-    worker._save_one(save)
-    assert worker._maps is None  # nothing un-packed on the engine's thread
-    for cache in caches:
-        cache.zero_()  # the blocks are reused at once: the put worker reads its own copy
-    states = submitted[0]()
+    from scd_store.adapters.vllm import worker_side as module
+
+    unpacked = []
+    read = module.read_tokens
+    module.read_tokens = lambda *a: unpacked.append(1) or read(*a)
+    try:
+        worker._save_one(save)
+        assert unpacked == []  # nothing un-packed on the engine's thread: a block copy only
+        for cache in caches:
+            cache.zero_()  # the blocks are reused at once: the put worker reads its own copy
+        states = submitted[0]()
+        assert unpacked  # on the put worker
+    finally:
+        module.read_tokens = read
     assert [s.start for s in states] == [0, 2 * block]
     for i, state in enumerate(states):
         for layer, (k, v) in enumerate(written):
@@ -173,3 +182,33 @@ def test_a_load_decodes_every_chunk_into_one_buffer_pair():
     for i in range(3):  # each chunk's own values landed, none overwritten by the next
         assert bool((keys[i * chunk:(i + 1) * chunk] == i + 1).all())
         assert bool((values[i * chunk:(i + 1) * chunk] == -(i + 1)).all())
+
+
+def test_layouts_are_probed_at_registration_never_on_a_serving_thread(monkeypatch):
+    """The probes launch the backend's own kernels: run lazily, they ran on the put or fetch thread mid-serving
+    (on a GPU, beside the engine's work and captures). They run once, when the caches are registered."""
+    import threading
+    import types
+
+    import torch
+
+    from scd_store.adapters.vllm import worker_side as module
+    from tests.adapters.vllm.engine_layers import cpu_layer
+
+    block, heads, dim = 32, 3, 64
+    layers = [cpu_layer(torch.float32, block, dim) for _ in range(2)]
+    caches = [torch.zeros(6, heads, block, 2 * dim) for _ in layers]
+    probes = []
+    for name in ("layer_maps", "paged_target"):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name: probes.append(
+            (_name, threading.current_thread().name)) or _real(*a))
+    worker = WorkerSide(types.SimpleNamespace())
+    worker.register({f"model.layers.{i}.self_attn.attn": c for i, c in enumerate(caches)},
+                    {f"model.layers.{i}.self_attn.attn": layer for i, layer in enumerate(layers)})
+    assert sorted(n for n, _ in probes) == ["layer_maps", "paged_target"]
+    here = threading.current_thread().name
+    serving = threading.Thread(target=lambda: (worker.maps(), worker.paged()), name="scd-store-put")
+    serving.start()
+    serving.join()
+    assert probes == [(n, here) for n, _ in probes]  # nothing probed on the serving thread

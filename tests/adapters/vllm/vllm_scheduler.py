@@ -1,11 +1,13 @@
-"""vLLM 0.32's own scheduler driving the connector's two halves, with no model run: :func:`engine` builds a
+"""vLLM's own scheduler (0.32 or 0.34) driving the connector's two halves, with no model run: :func:`engine` builds a
 ``Scheduler`` (a one-layer model config written to a directory, no weights) whose connector is an
 :class:`ScdConnector` over a stand-in service, and a worker-role connector; :meth:`Engine.step` runs
 one step as vLLM's engine core does (schedule, the worker's connector calls, ``update_from_output``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import time
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -14,7 +16,7 @@ from unittest import mock
 
 import torch
 from vllm import SamplingParams
-from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 from vllm.utils.hashing import get_hash_fn_by_name
@@ -35,7 +37,16 @@ BLOCK, CHUNK, BLOCKS = 16, 32, 64
 PROMPT = list(range(1, 101))  # three whole chunks (96 tokens) and a tail
 
 
-def _config(model_dir: Path) -> tuple[VllmConfig, KVCacheConfig]:
+def runner_output(ran: list[str], kv_output: KVConnectorOutput) -> ModelRunnerOutput:
+    """The model runner's output of a step that sampled one token per request (vLLM 0.33 dropped its
+    ``req_id_to_index``)."""
+    extra = {"req_id_to_index": {r: i for i, r in enumerate(ran)}} \
+        if "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)} else {}
+    return ModelRunnerOutput(req_ids=ran, sampled_token_ids=[[7] for _ in ran], kv_connector_output=kv_output,
+                             **extra)
+
+
+def _config(model_dir: Path, batched_tokens: int = 1024) -> tuple[VllmConfig, KVCacheConfig]:
     model_dir.mkdir(parents=True, exist_ok=True)
     (model_dir / "config.json").write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
@@ -43,8 +54,8 @@ def _config(model_dir: Path) -> tuple[VllmConfig, KVCacheConfig]:
         "max_position_embeddings": 1024, "torch_dtype": "float32"}))
     vllm_config = VllmConfig(
         model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, max_model_len=1024, dtype="float32"),
-        cache_config=CacheConfig(block_size=BLOCK),
-        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=1024, max_model_len=1024,
+        cache_config=CacheConfig(block_size=BLOCK), device_config=DeviceConfig(device="cpu"),
+        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=batched_tokens, max_model_len=1024,
                                          is_encoder_decoder=False),
         kv_transfer_config=KVTransferConfig(kv_connector="ScdConnector", kv_role="kv_both",
                                             kv_connector_module_path="scd_store.adapters.vllm.connector",
@@ -95,10 +106,15 @@ class Engine:
                                       invalid_block_ids=self.worker.get_block_ids_with_load_errors())
         self.worker.clear_connector_metadata()
         ran = list(out.num_scheduled_tokens)
-        self.scheduler.update_from_output(out, ModelRunnerOutput(
-            req_ids=ran, req_id_to_index={r: i for i, r in enumerate(ran)}, sampled_token_ids=[[7] for _ in ran],
-            kv_connector_output=kv_output))
+        self.scheduler.update_from_output(out, runner_output(ran, kv_output))
         return out
+
+    def preempt(self, req_id: str) -> None:
+        """Preempt a running request with vLLM's own code, as its schedule does when it runs out of blocks (the
+        request's blocks are freed; it waits to be resumed)."""
+        request = self.scheduler.requests[req_id]
+        self.scheduler.running.remove(request)
+        self.scheduler._preempt_request(request, time.monotonic())
 
     def blocks_in_use(self) -> int:
         return self.free_blocks - self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
@@ -107,13 +123,14 @@ class Engine:
 def engine(tmp_path: Path, lookup: Callable[[str, Any], Lookup], load_one: Callable[..., int],
            lookups: dict[str, Any] | None = None, *, role: str = "consumer",
            save_one: Callable[[Any], None] | None = None, counted: list[tuple[str, int]] | None = None,
-           **side: Any) -> Engine:
+           batched_tokens: int = 1024, **side: Any) -> Engine:
     """vLLM's scheduler over the connector: ``lookup(model, hashes)`` answers the store's presence checks
     (on lookup threads when ``lookups`` gives :class:`Lookups` keywords), ``load_one(load, gate)`` stands in
     for the worker's fetch, decode and write (returns the tokens written), ``save_one(save)`` for its block
-    copy of a producer's chunks. The served model has ``role``; ``side``: more :class:`SchedulerSide` keywords
+    copy of a producer's chunks. The served model has ``role``; ``batched_tokens``: the scheduler's token budget
+    per step (a small one chunks a prefill over several steps); ``side``: more :class:`SchedulerSide` keywords
     (a ``refill``, ``refill_hold_s``, a ``clock``); incidents are appended to ``counted``."""
-    vllm_config, kv_config = _config(tmp_path / "model")
+    vllm_config, kv_config = _config(tmp_path / "model", batched_tokens)
     counts = counted if counted is not None else []
     service = types.SimpleNamespace(chunk_size=CHUNK, lookup=lookup, readable_by_others=lambda *a: 0,
                                     binding=lambda model: types.SimpleNamespace(role=role),
@@ -130,5 +147,5 @@ def engine(tmp_path: Path, lookup: Callable[[str, Any], Lookup], load_one: Calla
     back._worker = WorkerSide(service)
     back._worker._load_one = load_one
     if save_one is not None:
-        back._worker._save_one = save_one
+        back._worker._save_one = lambda save, after=None: save_one(save)
     return Engine(scheduler, back)
