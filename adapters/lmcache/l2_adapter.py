@@ -65,17 +65,16 @@ from scd_store.adapters.lmcache.listeners import remote_listeners
 from scd_store.adapters.lmcache.positions import PositionLedger
 from scd_store.flags import parse_flag
 from scd_store.service import EngineSettings, SettingsError, acquire_service, release_service
-from scd_store.service.bindings import Binding
+from scd_store.service.bindings import Binding, Role
 from scd_store.service.hash_agreement import HashMismatch
 from scd_store.service.log_once import LogOnce
 
 log = logging.getLogger("scd_store.adapters.lmcache")
 POSITION_WAIT_S = 1.0  # how long an L1 chunk may wait for its MP_TOKENS event
-SERVER_ROLES = ("producer", "consumer")
 LISTEN_CHECK_S = 5.0  # how long a server trusts its last look at its listening sockets
 
 
-def server_params(config: dict | None) -> tuple[str, bool, dict]:
+def server_params(config: dict | None) -> tuple[Role, bool, dict]:
     """``(server_role, allow_remote_clients, the engine settings)`` of the adapter's params."""
     params = dict(config or {})
     role = params.pop("server_role", None)
@@ -83,13 +82,13 @@ def server_params(config: dict | None) -> tuple[str, bool, dict]:
         remote = parse_flag(params.pop("allow_remote_clients", False), "allow_remote_clients")
     except ValueError as exc:
         raise SettingsError(str(exc)) from None
-    if role not in SERVER_ROLES:
+    if role not in tuple(Role):
         raise SettingsError(f"adapter_params needs server_role: producer (the server of one producer engine alone) "
                             f"or consumer (the server of consumer engines), got {role!r}: a server cannot tell its "
                             "clients apart, so it serves one role")
-    if remote and role != "producer":
+    if remote and role != Role.PRODUCER:
         raise SettingsError("allow_remote_clients is a producer's server's setting")
-    return role, remote, params
+    return Role(role), remote, params
 
 
 def object_hash(key: ObjectKey) -> bytes:
@@ -153,12 +152,12 @@ class ScdL2Adapter(L2AdapterInterface):
     def _check_role(self) -> None:
         """A consumer's server holds no private key; a producer's serves a producer model."""
         roles = self.service.models()
-        if self.server_role == "consumer" and self.service.can_sign():
+        if self.server_role == Role.CONSUMER and self.service.can_sign():
             raise SettingsError("a consumer-role lmcache server is reached by consumer engines (and whoever else "
                                 "reaches its port), so it must hold public keys only: point its signing_keys at the "
                                 "public key file (`scd-store keys public PRIVATE_FILE`)")
-        if self.server_role == "producer":
-            if "producer" not in roles.values():
+        if self.server_role == Role.PRODUCER:
+            if Role.PRODUCER not in roles.values():
                 raise SettingsError(f"a producer-role lmcache server needs a bundle whose producer it serves; bound: "
                                     f"{roles}")
             if self.allow_remote:
@@ -166,24 +165,24 @@ class ScdL2Adapter(L2AdapterInterface):
                             "client that reaches it sends as the producer's model, signed with the space's private "
                             "key; keep its network the producer engine's alone (docs/reliability.md)")
 
-    def _serves(self, role: str, model: str, keys: int) -> bool:
+    def _serves(self, role: Role, model: str, keys: int) -> bool:
         """Whether a client's keys of ``model`` (a ``role`` of a space) are this server's to serve: its role's
         only (counted and logged once otherwise), and a producer's only while no one else can reach it."""
         if role != self.server_role:
-            what = "stores" if role == "producer" else "lookups and loads"
+            what = "stores" if role == Role.PRODUCER else "lookups and loads"
             self._incidents.count("client_role_refusals", "scd-store: a client of this %s-role lmcache server sent "
                                   "%s of %r, the %s of its space: refused (a server serves one role; counted as "
                                   "client_role_refusals; logged once)", self.server_role, what, model, role, n=keys,
                                   once=f"role:{role}")
             return False
-        if role == "producer" and not self.allow_remote and not self._only_local():
+        if role == Role.PRODUCER and not self.allow_remote and not self._only_local():
             self._incidents.count("client_role_refusals", "scd-store: this producer's lmcache server can be reached "
                                   "from beyond its host (%s), so any process there could store as the producer: not "
                                   "storing (bind --host and --http-host to 127.0.0.1 where the producer engine runs "
                                   "alone, or set allow_remote_clients: true; counted as client_role_refusals; logged "
                                   "once)", self._listening, n=keys, once="remote")
             return False
-        if role == "consumer" and not self._only_local():
+        if role == Role.CONSUMER and not self._only_local():
             self._once.warn("shared-l1", "scd-store: this consumer's lmcache server can be reached from beyond its "
                             "host (%s): LMCache's own L1, which scd-store does not see, keeps KV any client stores and "
                             "serves it to the others; let only engines that trust each other reach it "
@@ -220,7 +219,7 @@ class ScdL2Adapter(L2AdapterInterface):
             self._next_id += 1
             return self._next_id
 
-    def _model(self, keys: Sequence[ObjectKey], role: str) -> tuple[str, Binding] | None:
+    def _model(self, keys: Sequence[ObjectKey], role: Role) -> tuple[str, Binding] | None:
         """The engine model name and binding of a batch of ``role``'s keys (one model, world size 1,
         the attention group); else None."""
         if not keys or len({k.model_name for k in keys}) != 1:
@@ -250,7 +249,7 @@ class ScdL2Adapter(L2AdapterInterface):
         """Producer chunks go to the put worker; the task completes once they are stored (LMCache holds
         the objects' read locks until then). Anything else completes at once, storing nothing."""
         task_id = self._task_id()
-        producer = self._model(keys, "producer")
+        producer = self._model(keys, Role.PRODUCER)
         if producer is None:
             self._stores.finish(task_id, L2StoreResult(success=True, bytes_transferred=0))
             return task_id
@@ -289,7 +288,7 @@ class ScdL2Adapter(L2AdapterInterface):
     def _lookup(self, task_id: L2TaskId, keys: list[ObjectKey], chunk_tokens: int | None) -> None:
         bitmap = Bitmap(len(keys))
         try:
-            consumer = self._model(keys, "consumer")
+            consumer = self._model(keys, Role.CONSUMER)
             if consumer is not None:
                 tokens = len(keys) * chunk_tokens if chunk_tokens else None
                 found = self.service.contains(consumer[0], [object_hash(k) for k in keys], tokens=tokens)
@@ -313,7 +312,7 @@ class ScdL2Adapter(L2AdapterInterface):
     def _load(self, task_id: L2TaskId, keys: list[ObjectKey], objects: list[MemoryObj]) -> None:
         bitmap = Bitmap(len(keys))
         try:
-            consumer = self._model(keys, "consumer")
+            consumer = self._model(keys, Role.CONSUMER)
             if consumer is not None:
                 model, binding = consumer
                 with self.decode_target.batch(binding.space.layout.kv_heads) as batch:  # copies land by its end
@@ -343,7 +342,7 @@ class ScdL2Adapter(L2AdapterInterface):
             results.notifier.close()
 
     def report_status(self) -> dict:
-        return {"is_healthy": self.service is not None, "type": "ScdL2Adapter", "server_role": self.server_role,
+        return {"is_healthy": self.service is not None, "type": "ScdL2Adapter", "server_role": self.server_role.value,
                 "queued_chunks": self.service.queued_chunks() if self.service is not None else 0}
 
 

@@ -48,7 +48,7 @@ from scd_store.adapters.lmcache.identity import SALT_TAG, ChunkIdentity, batch_i
 from scd_store.adapters.lmcache.layout import chunk_hash_bytes, state_from_kv_2ltd
 from scd_store.codecs.kv_state import KVState
 from scd_store.flags import parse_flag
-from scd_store.service import EngineSettings, SettingsError, acquire_service, release_service
+from scd_store.service import EngineSettings, Role, SettingsError, acquire_service, release_service
 from scd_store.service.log_once import LogOnce
 
 log = logging.getLogger("scd_store.adapters.lmcache")
@@ -146,8 +146,8 @@ class ScdStoragePlugin(StoragePluginInterface):
     def _is_adapter(self, name: str) -> bool:
         """Whether ``name`` is a registered consumer of the engine's own space (an adapter it may serve)."""
         engine, adapter = self.service.binding(self.model), self.service.binding(name)
-        return engine is not None and adapter is not None and engine.role == "producer" and \
-            adapter.role == "consumer" and adapter.space.space_id == engine.space.space_id and \
+        return engine is not None and adapter is not None and engine.role == Role.PRODUCER and \
+            adapter.role == Role.CONSUMER and adapter.space.space_id == engine.space.space_id and \
             adapter.space.fingerprint == engine.space.fingerprint
 
     def _key_identity(self, key: CacheEngineKey) -> ChunkIdentity:
@@ -177,7 +177,7 @@ class ScdStoragePlugin(StoragePluginInterface):
                   "unattributed_chunks; logged once)", self.model_tag, self.model, n=len(keys), once="unattributed")
         return identity
 
-    def _batch(self, keys: Sequence[CacheEngineKey], role: str) -> ChunkIdentity | None:
+    def _batch(self, keys: Sequence[CacheEngineKey], role: Role) -> ChunkIdentity | None:
         """The identity of a batch of ``role``'s (producer, consumer) keys; None when it is no such model's."""
         if not keys:
             return None
@@ -215,7 +215,7 @@ class ScdStoragePlugin(StoragePluginInterface):
         return self.batched_contains([key], pin) == 1
 
     def batched_contains(self, keys: list[CacheEngineKey], pin: bool = False) -> int:
-        identity = self._batch(keys, "consumer")
+        identity = self._batch(keys, Role.CONSUMER)
         if identity is None:
             return 0
         return self.service.contains(identity.model, self._hashes(keys, identity),
@@ -231,7 +231,7 @@ class ScdStoragePlugin(StoragePluginInterface):
                                 on_complete_callback: Callable[[CacheEngineKey], None] | None = None) -> None:
         """Hand the chunks to the put worker and return: they are converted, encoded and stored off the
         engine's thread, holding a reference on each memory object until then."""
-        identity = self._batch(keys, "producer")  # never a producer on an engine that serves adapters
+        identity = self._batch(keys, Role.PRODUCER)  # never a producer on an engine that serves adapters
         if identity is None:
             return None  # consumers never write; their own chunks stay in LMCache's other tiers
         model = identity.model
@@ -271,7 +271,7 @@ class ScdStoragePlugin(StoragePluginInterface):
 
     def batched_get_blocking(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
         out: list[MemoryObj | None] = [None] * len(keys)
-        identity = self._batch(keys, "consumer")
+        identity = self._batch(keys, Role.CONSUMER)
         if identity is None:
             return out
         layers, _, _, heads, dim = self.metadata.kv_shape

@@ -35,7 +35,7 @@ from scd_store.adapters.sglang.hashing import sglang_canary
 from scd_store.adapters.sglang.pages import page_hash_bytes, read_page
 from scd_store.adapters.sglang.pool_check import check_host_pool
 from scd_store.codecs.kv_state import KVState
-from scd_store.service import EngineSettings, SettingsError, acquire_service, release_service
+from scd_store.service import EngineSettings, Role, SettingsError, acquire_service, release_service
 from scd_store.service.log_once import LogOnce
 
 log = logging.getLogger("scd_store.adapters.sglang")
@@ -128,17 +128,17 @@ class ScdHiCacheStorage(HiCacheStorage):
             raise SettingsError(f"host pool (layers, heads, head_dim) {got} does not match space "
                                 f"{binding.space.space_id!r}: {binding.space.layout.geometry}")
 
-    def _role(self) -> str:
+    def _role(self) -> Role | None:
         if self.binding is None:  # registered after start (scd-store register): bound by discovery
             binding = self.service.binding(self.model)
             if binding is None:
-                return ""
+                return None
             if self.mem_pool_host is not None:
                 try:
                     self._check_geometry(self.mem_pool_host, binding)
                 except SettingsError as exc:
                     self._once.warn("late-geometry", "scd-store SGLang backend: %s; not serving it", exc)
-                    return ""
+                    return None
             self.binding = binding
         return self.binding.role
 
@@ -158,7 +158,7 @@ class ScdHiCacheStorage(HiCacheStorage):
 
     # ----------------------------------------------------------------- zero-copy v1 interface
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
-        if self._role() != "consumer" or not keys:
+        if self._role() != Role.CONSUMER or not keys:
             return 0
         page = self.mem_pool_host.page_size if self.mem_pool_host is not None else None
         return self.service.contains(self.model, [page_hash_bytes(k) for k in keys],
@@ -169,7 +169,7 @@ class ScdHiCacheStorage(HiCacheStorage):
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
-        if self._role() != "producer" or not keys or not self._pool_ready():
+        if self._role() != Role.PRODUCER or not keys or not self._pool_ready():
             return [False] * len(keys)
         if self.serves_adapters:
             self._incidents.count("unattributed_chunks", "scd-store: this SGLang server serves LoRA adapters, and "
@@ -199,7 +199,7 @@ class ScdHiCacheStorage(HiCacheStorage):
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
-        if self._role() != "consumer" or not keys or not self._pool_ready():
+        if self._role() != Role.CONSUMER or not keys or not self._pool_ready():
             return [False] * len(keys)
         page = self.mem_pool_host.page_size
         pages = self._decoded_pages(keys)
@@ -215,7 +215,7 @@ class ScdHiCacheStorage(HiCacheStorage):
     # ----------------------------------------------------------------- flat-page interface
     def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
                   ) -> list[torch.Tensor | None]:
-        if self._role() != "consumer" or not keys or not self._pool_ready():
+        if self._role() != Role.CONSUMER or not keys or not self._pool_ready():
             return [None] * len(keys)
         out: list[torch.Tensor | None] = [None] * len(keys)
         for i, flat in enumerate(self._decoded_pages(keys)):
@@ -234,7 +234,7 @@ class ScdHiCacheStorage(HiCacheStorage):
                   target_sizes: Any = None) -> bool:
         """Flat pages without prefix information: their positions are unknown, so nothing is stored
         (counted); SGLang's zero-copy v1 path (``interface_v1``) carries them."""
-        if self._role() != "producer" or not keys or values is None or not self._pool_ready():
+        if self._role() != Role.PRODUCER or not keys or values is None or not self._pool_ready():
             return False
         return self._first_position(None, len(keys)) is not None
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from scd_store.service import SettingsError
+from scd_store.service import Role, SettingsError
 
 DEVICES = ("cpu", "cuda")
 BACKENDS = ("CPU_ATTN", "FLASH_ATTN", "FLASHINFER", "TRITON_ATTN")
@@ -48,11 +48,11 @@ def check_engine(vllm_config: Any) -> None:
         raise SettingsError("scd-store's vLLM connector is not tested on ROCm; this server runs on an AMD GPU")
 
 
-def check_tensor_parallel(vllm_config: Any, role: str | None, kv_role: str) -> None:
+def check_tensor_parallel(vllm_config: Any, role: Role | None, kv_role: str) -> None:
     """Refuse a producer at tensor-parallel size > 1 (``role``: the served model's binding role, None when it
     has none yet; ``kv_role``: vLLM's): its chunks would be stored from one rank's share of the heads."""
     size = vllm_config.parallel_config.tensor_parallel_size
-    if size > 1 and (role == "producer" or kv_role == "kv_producer"):
+    if size > 1 and (role == Role.PRODUCER or kv_role == "kv_producer"):
         raise SettingsError(f"scd-store's vLLM connector stores a producer's KV at tensor-parallel size 1 only (this "
                             f"server runs {size} ranks): a code space is fitted on every KV head, and a rank holds "
                             "a share; serve the producer with --tensor-parallel-size 1 (consumers may use any)")

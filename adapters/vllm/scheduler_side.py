@@ -38,7 +38,7 @@ from scd_store.adapters.vllm.hit_sources import token_sources
 from scd_store.adapters.vllm.lookups import Lookups
 from scd_store.adapters.vllm.plan import ChunkLoad, ChunkSave, StepPlan, slots_of
 from scd_store.adapters.vllm.refill import Refill
-from scd_store.service import KVService
+from scd_store.service import KVService, Role
 from scd_store.service.hashing import chunk_hashes
 
 log = logging.getLogger("scd_store.adapters.vllm")
@@ -131,7 +131,7 @@ class SchedulerSide:
         """A request entered the scheduler."""
         self._requests[request.request_id] = request
 
-    def _role(self, model: str) -> str | None:
+    def _role(self, model: str) -> Role | None:
         binding = self.service.binding(model)
         return None if binding is None else binding.role
 
@@ -162,7 +162,7 @@ class SchedulerSide:
         load: asked again once its load was planned (the load failed, or vLLM preempted it), it computes
         its prompt itself, so a tier that answers lookups but not gets cannot make vLLM retry forever."""
         model = request_model(request, self.served_model)
-        if self._role(model) != "consumer" or skips_load(request, self.skip_param) or self._unkeyable(request):
+        if self._role(model) != Role.CONSUMER or skips_load(request, self.skip_param) or self._unkeyable(request):
             return 0, False
         if request.request_id in self._planned:  # asked again after its load: it failed or was preempted
             return 0, False  # computed by the engine (one load per request: never a retry storm)
@@ -190,7 +190,7 @@ class SchedulerSide:
         """Whether ``request`` may be offered a hit at all (a registered consumer's keyable request that asks to
         load): what vLLM's ``may_load_async`` is told, without a lookup."""
         model = request_model(request, self.served_model)
-        return self._role(model) == "consumer" and not skips_load(request, self.skip_param) and keyable(request) \
+        return self._role(model) == Role.CONSUMER and not skips_load(request, self.skip_param) and keyable(request) \
             and request.request_id not in self._planned
 
     def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
@@ -217,7 +217,7 @@ class SchedulerSide:
         if getattr(request, "lora_request", None) is not None or getattr(new_req, "lora_request", None) is not None:
             return  # only the served base model produces: an adapter named like the producer is its own weights
         model = request_model(new_req, self.served_model)
-        if self._role(model) != "producer" or self._unkeyable(request):
+        if self._role(model) != Role.PRODUCER or self._unkeyable(request):
             return
         tokens = list(new_req.prompt_token_ids or ())
         if len(tokens) < self.chunk_size:

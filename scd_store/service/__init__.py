@@ -7,7 +7,7 @@ the process's shared service (:func:`acquire_service`) and the settings every en
 Engine adapters import nothing from :mod:`scd_store.store` (an import-linter contract).
 """
 
-from scd_store.service.bindings import Binding, ServiceError, pair_id_for
+from scd_store.service.bindings import Binding, Role, ServiceError, pair_id_for
 from scd_store.service.kv_service import Buffers, KVService, PagedTargets
 from scd_store.service.put_path import UncodableChunks
 from scd_store.service.results import Lookup
@@ -21,6 +21,7 @@ __all__ = [
     "KVService",
     "Lookup",
     "PagedTargets",
+    "Role",
     "ServiceError",
     "SettingsError",
     "UncodableChunks",

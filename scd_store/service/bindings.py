@@ -8,13 +8,19 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 
 from scd_store.codecs.base import Codec
 from scd_store.codecs.scd.space import CodeSpace
 from scd_store.errors import ScdStoreError
 from scd_store.service.defaults import MAX_POSITIONS
 
-ROLES = ("producer", "consumer")
+
+class Role(StrEnum):
+    """What a model is to a space: the one model that writes its codes, or one that reads them."""
+
+    PRODUCER = "producer"
+    CONSUMER = "consumer"
 
 
 class ServiceError(ScdStoreError, ValueError):
@@ -26,15 +32,17 @@ class Binding:
     """One engine model name bound to a space: as its producer, or as a consumer through ``pair_id``."""
 
     model: str
-    role: str  # "producer" | "consumer"
+    role: Role  # given as a Role or its value
     space: CodeSpace
     codec: Codec  # the space's encoder; for a consumer, its decoder too
     pair_id: str = ""
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ServiceError(f"role must be one of {ROLES}, got {self.role!r}")
-        if (self.role == "consumer") != bool(self.pair_id):
+        try:
+            object.__setattr__(self, "role", Role(self.role))
+        except ValueError:
+            raise ServiceError(f"role must be one of {[r.value for r in Role]}, got {self.role!r}") from None
+        if (self.role is Role.CONSUMER) != bool(self.pair_id):
             raise ServiceError(f"a consumer binding needs a pair id and a producer none ({self.model!r})")
 
 

@@ -25,7 +25,7 @@ from scd_store.codecs.scd.bundle import (
 )
 from scd_store.codecs.scd.codec import ScdCodec
 from scd_store.codecs.scd.space import CodeSpace
-from scd_store.service.bindings import Binding, ServiceError, pair_id_for
+from scd_store.service.bindings import Binding, Role, ServiceError, pair_id_for
 from scd_store.store.records import NotRegistered, Pair, RegistryError, Space
 from scd_store.store.registry import Registry
 
@@ -64,7 +64,7 @@ def _bundle_records(bundle: Path, load: Collection[str] | None, chunk_size: int
         if load is None or consumer in load:
             decoder = load_pair(bundle, consumer, space)
             fingerprints = decoder.consumer_fingerprint, decoder.fingerprint
-            binding = Binding(consumer, "consumer", space, ScdCodec(space, decoder), pair_id)
+            binding = Binding(consumer, Role.CONSUMER, space, ScdCodec(space, decoder), pair_id)
         else:
             manifest = _pair_manifest(bundle, consumer, space)
             fingerprints = manifest.get("consumer_fingerprint"), manifest.get("content_fingerprint") or ""
@@ -112,7 +112,7 @@ def bind_registered(bundle: Path, registry: Registry, *, chunk_size: int,
     bundle, space, record, pairs = _bundle_records(bundle, models, chunk_size)
     bindings = []
     if _registered(registry.space, record.space_id, record.fingerprint) == record:
-        bindings.append(Binding(record.producer_model_id, "producer", space, ScdCodec(space)))
+        bindings.append(Binding(record.producer_model_id, Role.PRODUCER, space, ScdCodec(space)))
     else:
         log.warning("scd-store: space %s of %s is not registered as this bundle has it; not producing into it "
                     "until `scd-store register %s`", record.ident, bundle, bundle)
@@ -143,4 +143,4 @@ def bind_bundle(bundle: Path, registry: Registry, *, chunk_size: int, replace: b
             raise ServiceError(f"this process may not write the registry ({exc}); register {bundle} with "
                                "`scd-store register` and start engines with register_bundles: false") from exc
         raise
-    return [Binding(record.producer_model_id, "producer", space, ScdCodec(space)), *(b for _, b in pairs if b)]
+    return [Binding(record.producer_model_id, Role.PRODUCER, space, ScdCodec(space)), *(b for _, b in pairs if b)]

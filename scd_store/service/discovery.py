@@ -18,7 +18,7 @@ from pathlib import Path
 from scd_store.codecs.scd.bundle import BundleError, load_pair, load_space
 from scd_store.codecs.scd.codec import ScdCodec
 from scd_store.codecs.scd.space import CodeSpace
-from scd_store.service.bindings import Binding, Bindings, ServiceError
+from scd_store.service.bindings import Binding, Bindings, Role, ServiceError
 from scd_store.service.defaults import DISCOVERY_INTERVAL_S
 from scd_store.service.log_once import Incidents, LogOnce
 from scd_store.store.records import RegistryError
@@ -131,11 +131,11 @@ class PairDiscovery:
         decoder = load_pair(Path(path), pair.consumer_model_id, space)
         if decoder.fingerprint != pair.bundle_fingerprint:
             raise BundleError(f"the decoder at {path} is not the one registered for {pair.pair_id}")
-        return Binding(pair.consumer_model_id, "consumer", space, ScdCodec(space, decoder), pair.pair_id)
+        return Binding(pair.consumer_model_id, Role.CONSUMER, space, ScdCodec(space, decoder), pair.pair_id)
 
     def _producer(self, record, locations: dict[str, str]) -> Binding:
         path = locations.get(record.ident)
         if path is None:
             raise RegistryError(f"space {record.space_id} has no recorded bundle")
         space = self._space(path, record.space_id, record.bundle_fingerprint)
-        return Binding(record.producer_model_id, "producer", space, ScdCodec(space))
+        return Binding(record.producer_model_id, Role.PRODUCER, space, ScdCodec(space))

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from importlib import metadata as package_metadata
 
-from scd_store.service.bindings import Binding
+from scd_store.service.bindings import Binding, Role
 from scd_store.service.settings import SettingsError
 from scd_store.store.registry import Registry
 from scd_store.store.stats import StoreStats
@@ -97,7 +97,7 @@ class HashAgreement:
         """A producer records ``canary``; a consumer compares it (raising :class:`HashMismatch`), or,
         when its producer has recorded none yet, checks again on its lookups."""
         space_id = binding.space.space_id
-        if binding.role == "producer":
+        if binding.role == Role.PRODUCER:
             self.registry.record_canary(space_id, canary.engine, canary.record(binding.model))
             return
         self._pending[binding.model] = (canary, 0.0)

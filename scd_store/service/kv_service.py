@@ -26,7 +26,7 @@ import torch
 
 from scd_store.codecs.head_share import HeadShare
 from scd_store.codecs.kv_state import KVState
-from scd_store.service.bindings import Binding, Bindings
+from scd_store.service.bindings import Binding, Bindings, Role
 from scd_store.service.bundles import bind_bundle
 from scd_store.service.decode_loop import Buffers, DecodeLoop, PagedTargets
 from scd_store.service.defaults import DISCOVERY_INTERVAL_S, MAX_POSITIONS, PUT_QUEUE_BYTES, PUT_QUEUE_CHUNKS
@@ -156,7 +156,7 @@ class KVService:
     def _producer_binding(self, model: str, chunks: int) -> Binding | None:
         """``model``'s binding when it produces a space; else None, counted and logged (consumers never write)."""
         binding = self.binding(model)
-        if binding is None or binding.role != "producer":
+        if binding is None or binding.role != Role.PRODUCER:
             self.store.stats.inc("refused_requests")
             log.info("scd-store: %r is not a registered producer; not storing %d chunks", model, chunks)
             return None
@@ -225,7 +225,7 @@ class KVService:
         if binding is None:
             return Lookup(0, 0)
         view: ProducerView | ConsumerView | None
-        if binding.role == "producer":
+        if binding.role == Role.PRODUCER:
             view = self._access.producer(binding)
         else:
             if not self.hashing.ok(binding):
@@ -243,7 +243,7 @@ class KVService:
         hold, not counted as a lookup; a producer's own copies do not count, so a shared tier that lost them is
         seen (0 for anyone else). Blocking: call it off the engine's thread."""
         binding = self.binding(model)
-        if binding is None or binding.role != "producer":
+        if binding is None or binding.role != Role.PRODUCER:
             return 0
         producer = self._access.producer(binding)
         if producer is None:
@@ -255,14 +255,14 @@ class KVService:
         this process: for engines that look up in one process and load in another (vLLM), so each
         process's hit rate is its own."""
         binding = self.binding(model)
-        if binding is not None and binding.role == "consumer" and tokens > 0:
+        if binding is not None and binding.role == Role.CONSUMER and tokens > 0:
             self.store.stats.inc("requested_tokens", tokens, space=binding.space.space_id, pair=binding.pair_id)
 
     def stored_bytes(self, model: str, hashes: Sequence[bytes]) -> int:
         """Bytes of the codes a consumer's get of ``hashes`` fetches (the leading run stored; nothing is
         decoded); 0 for anyone else. For benches that weigh a hit."""
         binding = self.binding(model)
-        consumer = self._access.consumer(binding) if binding is not None and binding.role == "consumer" else None
+        consumer = self._access.consumer(binding) if binding is not None and binding.role == Role.CONSUMER else None
         if consumer is None:
             return 0
         return self._access.call("get", lambda: sum(len(chunk.payload) for chunk in consumer.get(hashes)), 0)
@@ -306,7 +306,7 @@ class KVService:
         """A registered consumer's binding, the leading run of ``hashes`` its store view holds and the get's
         deadline; None (counted) for anyone else."""
         binding = self.binding(model)
-        if binding is None or binding.role != "consumer":
+        if binding is None or binding.role != Role.CONSUMER:
             self.store.stats.inc("refused_requests")
             log.info("scd-store: %r is not a registered consumer; miss", model)
             return None
