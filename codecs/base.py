@@ -65,13 +65,6 @@ class Codec(ABC):
         scatter_eager(state.keys, state.values, caches, slots)
         return state.num_tokens
 
-    def encode_batch(self, states: list[KVState]) -> list[bytes]:
-        return [self.encode(s) for s in states]
-
-    def decode_batch(self, payloads: list[bytes], *, device: torch.device | str = "cpu",
-                     dtype: torch.dtype = torch.float32) -> list[KVState]:
-        return [self.decode(p, device=device, dtype=dtype) for p in payloads]
-
 
 def kv_shape(meta: dict, codec_id: str, expect_tokens: int | None, bits: int | None = None) -> list[int]:
     """A baseline payload's ``[layers, heads, tokens, head_dim]`` (JSON integers, none negative; ``bits``

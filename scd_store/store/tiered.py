@@ -30,7 +30,6 @@ from scd_store.store.keyring import Keyring
 from scd_store.store.keys import space_of, validate_chunk_size
 from scd_store.store.loop import LoopThread
 from scd_store.store.read_path import ReadPath
-from scd_store.store.records import Space
 from scd_store.store.registry import Registry
 from scd_store.store.registry_cache import RegistryCache
 from scd_store.store.repair import ProducerRepair
@@ -186,25 +185,10 @@ class TieredStore:
         """Read the registry afresh on the next :meth:`producer` / :meth:`consumer`."""
         self.registry_cache.forget()
 
-    def refresh_registry(self) -> None:
-        """Re-read every cached registry answer (a revoked record becomes a refusal). Blocking: the
-        store's loop runs it when the registry's version changes."""
-        self.registry_cache.refresh()
-
     def repair_now(self) -> tuple[int, int]:
         """One round of the producer's repair over every space this store writes
         (:class:`~scd_store.store.repair.ProducerRepair`): ``(quarantined, repaired)`` blobs."""
         return self._loop.run(self.repairs.all_spaces(), timeout=30.0)
-
-    # ----------------------------------------------------------------- the write
-    def write(self, space: Space, keys: Sequence[str], payloads: Sequence[bytes], token_counts: Sequence[int],
-              codec_id: str) -> list[str]:
-        """Blobs for ``payloads`` under ``keys`` (:meth:`StoreWriter.write`); the keys the top tier holds now."""
-        return self.writer.write(space, keys, payloads, token_counts, codec_id)
-
-    def oversized(self, tier: Tier, count: int, space_id: str) -> None:
-        """Count blobs larger than ``tier`` takes (``oversized_writes``; logged once per tier)."""
-        self.writer.oversized(tier, count, space_id)
 
     def _on_evict(self, tier_name: str, key: str, nbytes: int) -> None:
         self.stats.inc("evictions", tier=tier_name, space=space_of(key))
