@@ -151,7 +151,8 @@ def stats_command(args: argparse.Namespace) -> int:
 def add_stats_parser(sub: Any) -> None:
     stats = sub.add_parser("stats", help="hit statistics per pair and per process (Redis, else this host's)")
     stats.add_argument("--redis", metavar="URL", help="read the shared counters from this Redis")
-    stats.add_argument("--config", metavar="YAML", help="store config (its Redis URL is used when set)")
+    stats.add_argument("--store-config", "--config", dest="config", metavar="YAML",
+                       help="the deployment's scd-store YAML (its Redis URL is used when set)")
     stats.add_argument("--file", metavar="PATH", help="one process's snapshot JSON, or a directory of them")
     stats.add_argument("--counters", action="store_true", help="also every counter and latency histogram")
     stats.add_argument("--watch", type=float, metavar="SECONDS", help="redraw every SECONDS")
