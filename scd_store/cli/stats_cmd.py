@@ -92,12 +92,12 @@ def print_view(view: dict[str, Any], source: str, *, counters: bool = False, con
     console.print(pairs)
     if report["processes"]:
         procs = Table(title="per engine process")
-        for column in ("process", "program", "updated", "requested", "hit", "hit rate", "puts", "dropped",
+        for column in ("process", "serves", "updated", "requested", "hit", "hit rate", "puts", "dropped",
                        "unpositioned", "hash mismatch", "tier errors"):
-            procs.add_column(column, justify="left" if column in ("process", "program", "updated") else "right")
+            procs.add_column(column, justify="left" if column in ("process", "serves", "updated") else "right")
         for row in report["processes"]:
             record = row["process"]
-            procs.add_row(escape(str(record.get("id", "?"))), escape(str(record.get("name", "?"))), _age(record),
+            procs.add_row(escape(str(record.get("id", "?"))), escape(serving(record)), _age(record),
                           f"{row['requested_tokens']:,}",
                           f"{row['hit_tokens']:,}", _pct(row["hit_rate"]), f"{row['puts']:,}",
                           f"{row['dropped_puts']:,}", f"{row['unpositioned_chunks']:,}", f"{row['hash_mismatch']:,}",
@@ -108,6 +108,14 @@ def print_view(view: dict[str, Any], source: str, *, counters: bool = False, con
                   "dropped = producer chunks the put queue had no room for)")
     if counters:
         print_counters(view, console)
+
+
+def serving(record: dict[str, Any]) -> str:
+    """What a process serves, by role ("producer X; consumer Y, Z"); its program name when it names no model."""
+    serves = record.get("serves") or {}
+    parts = [f"{role} {', '.join(sorted(m for m, r in serves.items() if r == role))}"
+             for role in ("producer", "consumer") if role in serves.values()]
+    return "; ".join(parts) or str(record.get("name", "?"))
 
 
 def print_counters(view: dict[str, Any], console: Console) -> None:

@@ -79,6 +79,7 @@ class KVService:
                                        replace=replace_registrations, models=models, register=register_bundles):
                 self.bindings.add(binding)
         store.forget_registry_cache()
+        store.stats.describe_process(self.bindings.roles)  # `scd-store stats` names what this process serves
         self._incidents = Incidents(store.stats, log)
         self._access = StoreAccess(store, self._incidents)
         self._writer = PutPath(self._access, store.stats, self._incidents, self._producer_binding)

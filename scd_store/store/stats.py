@@ -18,7 +18,7 @@ import bisect
 import re
 import threading
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -130,6 +130,21 @@ class StoreStats:
         self._buckets: dict[HistKey, list[int]] = {}
         self._pending: dict[str, int] = defaultdict(int)
         self._server: Any = None
+        self._serves: Callable[[], Mapping[str, str]] | None = None
+
+    def describe_process(self, serves: Callable[[], Mapping[str, str]]) -> None:
+        """Name what this process serves in its stats records: ``serves()`` gives each bound model's role,
+        asked at every flush (``scd-store stats`` shows it beside the process)."""
+        self._serves = serves
+
+    def serves(self) -> dict[str, str]:
+        """Each model this process serves and its role (``{}`` when nothing was described)."""
+        if self._serves is None:
+            return {}
+        try:
+            return {str(model): str(role) for model, role in self._serves().items()}
+        except Exception:  # a description must never break a flush
+            return {}
 
     def inc(self, name: str, amount: int = 1, *, tier: str = "", space: str = "", pair: str = "") -> None:
         if amount == 0:

@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,8 @@ log = logging.getLogger("scd_store.store")
 MAX_FIELDS = 200_000  # hash fields one read takes, the totals and every process's together
 MAX_PROCESSES = 256  # process rows one read shows (the most recently updated)
 MAX_RECORD_BYTES = 4096  # a process record longer than this is skipped
+MAX_SERVES = 16  # models a process record names
+ROLES = ("producer", "consumer")
 SCAN_COUNT = 1000
 
 
@@ -69,8 +72,16 @@ class ProcessInfo:
         program = name or os.path.basename(sys.argv[0] if sys.argv and sys.argv[0] else "python") or "python"
         return cls(socket.gethostname(), os.getpid(), program)
 
-    def record(self) -> dict[str, Any]:
-        return {**asdict(self), "id": self.id, "updated": time.time()}
+    def record(self, serves: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """This process as its stats records name it; ``serves`` (model -> role) as far as it fits
+        ``MAX_RECORD_BYTES``."""
+        base = {**asdict(self), "id": self.id, "updated": time.time()}
+        kept: dict[str, str] = {}
+        for model, role in sorted((serves or {}).items())[:MAX_SERVES]:
+            if len(json.dumps({**base, "serves": {**kept, model: role}})) > MAX_RECORD_BYTES:
+                break
+            kept[model] = role
+        return {**base, "serves": kept} if kept else base
 
 
 class StatsSink(ABC):
@@ -113,7 +124,7 @@ class RedisStatsMirror(StatsSink):
             for name, amount in pending.items():
                 pipe.hincrby(REDIS_STATS_KEY, name, amount)
                 pipe.hincrby(own, name, amount)
-            pipe.hset(procs, self.process.id, json.dumps(self.process.record()))
+            pipe.hset(procs, self.process.id, json.dumps(self.process.record(stats.serves())))
             for key in (REDIS_STATS_KEY, own, procs):
                 pipe.expire(key, PROCESS_TTL_S)
             results = pipe.execute(raise_on_error=False)
@@ -174,6 +185,11 @@ def process_record(raw: Any) -> dict[str, Any] | None:
         value = obj.get(key)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
             record[key] = float(value)
+    serves = obj.get("serves")
+    if isinstance(serves, dict) and len(serves) <= MAX_SERVES:
+        kept = {model: role for model, role in serves.items() if valid_label(model) and role in ROLES}
+        if kept:
+            record["serves"] = kept
     return record
 
 
@@ -219,7 +235,7 @@ class SnapshotFiles(StatsSink):
         stats.take_pending()  # files carry whole snapshots, not deltas
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{self.process.id}.", suffix=".tmp")
         with os.fdopen(fd, "w") as f:
-            json.dump({"process": self.process.record(), **stats.snapshot()}, f)
+            json.dump({"process": self.process.record(stats.serves()), **stats.snapshot()}, f)
         os.replace(tmp, self.path)
 
 

@@ -34,3 +34,18 @@ def test_a_file_that_is_no_snapshot_is_a_clear_error(tmp_path) -> None:
     (tmp_path / "x.json").write_text('{"counters": "no"}')
     with pytest.raises(SystemExit, match="no stats snapshot"):
         main(["stats", "--file", str(tmp_path / "x.json")])
+
+
+def test_processes_are_named_by_the_models_they_serve_and_their_roles(tmp_path, capsys) -> None:
+    from scd_store.store.stats import StoreStats
+    from scd_store.store.stats_sinks import ProcessInfo, SnapshotFiles
+
+    for pid, serves in ((11, {"smollm2-base": "producer"}), (12, {"ft-shakespeare": "consumer"}), (13, {})):
+        stats = StoreStats()
+        stats.inc("requested_tokens", 256, space="s", pair="s/c")
+        stats.describe_process(lambda serves=serves: serves)
+        SnapshotFiles(tmp_path, ProcessInfo("host", pid, "api_server.py")).flush(stats)
+    assert main(["stats", "--file", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "producer smollm2-base" in out and "consumer ft-shakespeare" in out
+    assert "api_server.py" in out  # a process that names no model keeps its program's name

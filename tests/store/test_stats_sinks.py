@@ -89,3 +89,31 @@ def test_damaged_snapshot_files_are_skipped_or_cleaned(tmp_path):
     assert {c["name"] for c in view["counters"]} >= {"puts", "requested_tokens"}
     assert process_record("[" * 3000) is None and process_record(b"x" * 5000) is None
     assert process_record('{"updated": NaN, "started": 1e999, "pid": true}') == {}
+
+
+def test_a_process_record_names_the_models_it_serves_and_their_roles(tmp_path):
+    stats = counted(1024, 512, 0.002)
+    stats.describe_process(lambda: {"base": "producer", "ft-b": "consumer", "ft-a": "consumer"})
+    SnapshotFiles(tmp_path, ProcessInfo("host", 100, "api_server.py")).flush(stats)
+    (record,) = [p["process"] for p in read_snapshot_files(tmp_path)["processes"]]
+    assert record["serves"] == {"base": "producer", "ft-a": "consumer", "ft-b": "consumer"}
+
+
+def test_hostile_or_oversized_serves_are_dropped_on_read(tmp_path):
+    from scd_store.store.stats_sinks import MAX_RECORD_BYTES, process_record
+
+    base = {"host": "h", "pid": 1, "name": "x", "id": "h-1"}
+    assert "serves" not in process_record({**base, "serves": {"m": "admin"}})  # not a role
+    assert "serves" not in process_record({**base, "serves": {"a|b": "producer"}})  # not a label
+    assert "serves" not in process_record({**base, "serves": {f"m{i}": "consumer" for i in range(17)}})
+    assert "serves" not in process_record({**base, "serves": ["producer"]})
+    # a writer keeps its own record under the size readers accept, dropping models that do not fit
+    record = ProcessInfo("h", 1, "x").record({f"model-{i:03d}-{'x' * 240}": "consumer" for i in range(40)})
+    assert len(json.dumps(record)) <= MAX_RECORD_BYTES and 0 < len(record["serves"]) < 16
+
+
+def test_a_failing_description_never_breaks_a_flush(tmp_path):
+    stats = counted(1024, 512, 0.002)
+    stats.describe_process(lambda: 1 / 0)
+    SnapshotFiles(tmp_path, ProcessInfo("host", 100, "p")).flush(stats)
+    assert "serves" not in read_snapshot_files(tmp_path)["processes"][0]["process"]
