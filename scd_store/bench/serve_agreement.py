@@ -35,12 +35,25 @@ def next_token_scores(consumer: LoadedModel, producer: LoadedModel, prefix: list
                       rest: list[int]) -> dict[str, tuple[float, float]]:
     """``{route: (top-1, KL)}`` of the consumer's next-token distributions over ``rest`` (its tail and its own
     answer) after ``prefix`` held as decoded codes and as the producer's raw KV, against its own prefill."""
-    ids = torch.tensor(rest)
+    own, raw = prefix_states(consumer, producer, prefix)
+    return scores_given(consumer, own, {"scd": codes, "raw": raw}, rest)
+
+
+def prefix_states(consumer: LoadedModel, producer: LoadedModel, prefix: list[int]) -> tuple[KVState, KVState]:
+    """The consumer's own prefill of ``prefix`` and the producer's (raw KV reuse)."""
     own, _ = prefill_capture(consumer.model, torch.tensor(prefix))
     raw, _ = prefill_capture(producer.model, torch.tensor(prefix))
+    return own, raw
+
+
+def scores_given(consumer: LoadedModel, own: KVState, states: dict[str, KVState],
+                 rest: list[int]) -> dict[str, tuple[float, float]]:
+    """``{route: (top-1, KL)}``: the consumer continued over ``rest`` from each route's prefix state, against
+    its continuation from its ``own`` prefill, position by position (teacher-forced)."""
+    ids = torch.tensor(rest)
     oracle = continue_with_prefix(consumer.model, own, ids)
     out = {}
-    for route, state in (("scd", codes), ("raw", raw)):
+    for route, state in states.items():
         logits = continue_with_prefix(consumer.model, state, ids)
         out[route] = (float((logits.argmax(-1) == oracle.argmax(-1)).float().mean()), mean_kl(logits, oracle))
     return out

@@ -79,7 +79,8 @@ class KVService:
                                        replace=replace_registrations, models=models, register=register_bundles):
                 self.bindings.add(binding)
         store.forget_registry_cache()
-        store.stats.describe_process(self.bindings.roles)  # `scd-store stats` names what this process serves
+        self._serving: dict[str, str] = {}  # models this process's engine has asked for, by role (for stats)
+        store.stats.describe_process(lambda: dict(self._serving))
         self._incidents = Incidents(store.stats, log)
         self._access = StoreAccess(store, self._incidents)
         self._writer = PutPath(self._access, store.stats, self._incidents, self._producer_binding)
@@ -161,6 +162,7 @@ class KVService:
             self.store.stats.inc("refused_requests")
             log.info("scd-store: %r is not a registered producer; not storing %d chunks", model, chunks)
             return None
+        self._serving[model] = binding.role
         return binding
 
     def check_hashing(self, model: str, canary: HashCanary) -> None:
@@ -229,6 +231,7 @@ class KVService:
         if binding.role == Role.PRODUCER:
             view = self._access.producer(binding)
         else:
+            self._serving[model] = binding.role
             if not self.hashing.ok(binding):
                 return Lookup(0, 0)
             if tokens:
@@ -257,6 +260,7 @@ class KVService:
         process's hit rate is its own."""
         binding = self.binding(model)
         if binding is not None and binding.role == Role.CONSUMER and tokens > 0:
+            self._serving[model] = binding.role
             self.store.stats.inc("requested_tokens", tokens, space=binding.space.space_id, pair=binding.pair_id)
 
     def stored_bytes(self, model: str, hashes: Sequence[bytes]) -> int:

@@ -242,3 +242,15 @@ def test_stored_bytes_is_zero_when_the_store_call_fails(store, bundle, monkeypat
 
     monkeypatch.setattr(store.read, "get", walk_past_its_deadline)
     assert service.stored_bytes("consumer-a", HASHES) == 0 and store.stats.value("store_errors") == 1
+
+
+def test_the_process_stats_name_the_models_its_engine_asked_for_by_role(store, bundle):
+    service = KVService(store, [bundle])
+    assert store.stats.serves() == {}  # bound is not served: nothing asked yet
+    _, parts = chunks()
+    service.put("consumer-a", HASHES, parts)  # a consumer cannot write: not what this process serves
+    assert store.stats.serves() == {}
+    service.put(PRODUCER, HASHES, parts)
+    service.contains("consumer-b", HASHES, tokens=24)
+    service.contains("stranger", HASHES, tokens=24)
+    assert store.stats.serves() == {PRODUCER: "producer", "consumer-b": "consumer"}

@@ -2,14 +2,17 @@
 servers answer OpenAI-compatible requests from its codes.
 
 Every consumer request is sent three ways to its fine-tune's server: its own prefill (no cache),
-scd-store's codes, and the producer's raw KV (what a plain KV store would reuse). For each: time to
-first token measured at this client (streamed), the answer and how many of its first tokens agree
-with the consumer's own answer, and the bytes a hit moves. ``scd-store stats`` closes the run.
+scd-store's codes, and the producer's raw KV (what a plain KV store would reuse). Per request: time to
+first token measured at this client (streamed); how close each route keeps the fine-tune to its own
+prefill, next token by next token along its own answer (teacher-forced top-1 and KL, from the same
+stored codes the server loaded); how many first greedy tokens agree (a coarse, secondary measure); the
+bytes a hit moves. ``scd-store stats`` closes the run.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from statistics import mean
 
 from rich.console import Console
 from rich.table import Table
@@ -17,36 +20,49 @@ from rich.table import Table
 from scd_store.adapters.transformers import LoadedModel
 from scd_store.bench.intervals import Interval
 from scd_store.bench.metrics import common_prefix
-from scd_store.bench.serve_agreement import consumer_agreement
-from scd_store.bench.serving import ROUTES, Deployment
+from scd_store.bench.serve_agreement import consumer_agreement, prefix_states, scores_given
+from scd_store.bench.serving import CHUNK, ROUTES, Deployment
 from scd_store.cli.demo.prompts import REQUESTS, SYSTEM_PROMPT
 from scd_store.cli.tables import one_line
+from scd_store.codecs.kv_state import KVState
 from scd_store.paths import data_dir
+from scd_store.store.keys import chunk_hashes
 
 LABELS = {"own": "own prefill", "scd": "scd codes", "raw": "raw KV reuse"}
+CAPTION = ("next token: the fine-tune continued along its own answer from each route's prefix, against its own "
+           "prefill at every position (top-1: the same most likely token; KL in nats). Greedy first tokens: "
+           "free-running answers part for good at their first different token, so one early difference hides "
+           "everything after it; read it beside the next-token columns.")
 
 
-def serve_consumer(deployment: Deployment, consumer: LoadedModel, prefix: list[int], new_tokens: int,
-                   console: Console) -> list[dict]:
+def serve_consumer(deployment: Deployment, consumer: LoadedModel, producer: LoadedModel, prefix: list[int],
+                   covered: int, new_tokens: int, console: Console) -> list[dict]:
     """Each of the consumer's demo requests, three ways; prints its table and answers."""
     server = deployment.servers[consumer.name]
+    codes = KVState.cat(deployment.store_service().get(consumer.name, chunk_hashes(prefix[:covered], CHUNK)))
+    own_state, raw_state = prefix_states(consumer, producer, prefix[:covered])
     rows = []
-    for text in REQUESTS[consumer.name]:
+    requests = REQUESTS[consumer.name]
+    for i, text in enumerate(requests, 1):
+        console.print(f"  {consumer.name}: request {i} of {len(requests)}, own prefill / codes / raw KV ...")
         prompt = prefix + consumer.tokenizer(text, add_special_tokens=False)["input_ids"]
         answers = {route: server.stream(consumer.name, prompt, new_tokens, kv_params=params)
                    for route, params in ROUTES.items()}
         own = answers["own"].token_ids
-        rows.append({"request": text, "answers": answers, "bytes": deployment.hit_bytes(prompt),
+        scores = scores_given(consumer, own_state, {"scd": codes, "raw": raw_state}, prompt[covered:] + own)
+        rows.append({"request": text, "answers": answers, "bytes": deployment.hit_bytes(prompt), "scores": scores,
                      "same": {route: common_prefix(a.token_ids, own) for route, a in answers.items()},
                      "tokens": len(own)})
-    table = Table(title=f"{consumer.name}: {len(prefix)}-token shared prefix, TTFT at the client")
-    for column in ("request", "own prefill", "scd codes", "raw KV reuse", "same first tokens as own: codes / raw",
+    table = Table(title=f"{consumer.name}: {len(prefix)}-token shared prefix stored once by the base model",
+                  caption=CAPTION)
+    for column in ("request", "TTFT at the client: own / codes / raw", "next token top-1: codes / raw",
+                   "next token KL: codes / raw", "greedy first tokens as own: codes / raw",
                    "bytes moved: codes / raw KV"):
         table.add_column(column)
     for r in rows:
-        a = r["answers"]
-        table.add_row(one_line(r["request"], 36), f"{a['own'].ttft_s * 1e3:.0f} ms",
-                      f"{a['scd'].ttft_s * 1e3:.0f} ms", f"{a['raw'].ttft_s * 1e3:.0f} ms",
+        a, s = r["answers"], r["scores"]
+        table.add_row(one_line(r["request"], 32), " / ".join(f"{a[k].ttft_s * 1e3:.0f}" for k in ROUTES) + " ms",
+                      f"{s['scd'][0] * 100:.0f}% / {s['raw'][0] * 100:.0f}%", f"{s['scd'][1]:.3f} / {s['raw'][1]:.3f}",
                       f"{r['same']['scd']} / {r['same']['raw']} of {r['tokens']}",
                       f"{r['bytes']['scd'] / 2**20:.2f} / {r['bytes']['raw'] / 2**20:.2f} MiB")
     console.print(table)
@@ -57,20 +73,20 @@ def serve_consumer(deployment: Deployment, consumer: LoadedModel, prefix: list[i
     return rows
 
 
+def summary_line(name: str, rows: list[dict]) -> str:
+    """One fine-tune's requests in a line: mean TTFT per route, next-token top-1 and KL for codes and raw KV."""
+    ttft = " / ".join(f"{mean(r['answers'][k].ttft_s for r in rows) * 1e3:.0f} ms" for k in ROUTES)
+    top1 = {k: mean(r["scores"][k][0] for r in rows) * 100 for k in ("scd", "raw")}
+    kl = {k: mean(r["scores"][k][1] for r in rows) for k in ("scd", "raw")}
+    return (f"  {name}: next token top-1 codes {top1['scd']:.1f}% vs raw KV {top1['raw']:.1f}%, KL "
+            f"{kl['scd']:.3f} vs {kl['raw']:.3f}; TTFT own / codes / raw {ttft} (means over {len(rows)} requests)")
+
+
 def agreement_table(results: list[dict], console: Console) -> None:
-    """Position-by-position agreement with each fine-tune's own answers, codes and raw KV, with intervals."""
-    table = Table(title="Greedy answers on held-out requests, token by token, against each fine-tune's own answer "
-                        "(mean over requests [95% bootstrap interval])")
-    for column in ("fine-tune", "requests", "scd codes", "raw KV reuse", "codes minus raw (paired)"):
-        table.add_column(column)
-    for r in results:
-        routes, diff = r["against_own_answer"], r["scd_minus_raw_position_match"]
-        table.add_row(r["consumer"], str(r["windows"]),
-                      *(Interval(**routes[k]["position_match_per_window"]).text() for k in ("scd", "raw")),
-                      f"{diff['mean'] * 100:+.1f} points [{diff['low'] * 100:+.1f}, {diff['high'] * 100:+.1f}]")
-    console.print(table)
-    table = Table(title="Next token, given the fine-tune's own text so far (its tail and own answer, 48 tokens a "
-                        "request): top-1 and KL against its own prefill [95% bootstrap interval]")
+    """Over held-out requests, with intervals: next-token top-1 and KL against each fine-tune's own prefill (the
+    measure to read), then position-by-position agreement of free greedy answers (coarse)."""
+    table = Table(title="Held-out requests: next token, given the fine-tune's own text so far (its tail and own "
+                        "answer, 48 tokens a request): top-1 and KL against its own prefill [95% bootstrap interval]")
     for column in ("fine-tune", "top-1: scd codes", "top-1: raw KV", "top-1: codes minus raw (paired)",
                    "KL: scd codes", "KL: raw KV"):
         table.add_column(column)
@@ -83,6 +99,16 @@ def agreement_table(results: list[dict], console: Console) -> None:
         table.add_row(r["consumer"], *top1, f"{diff['mean'] * 100:+.1f} points [{diff['low'] * 100:+.1f}, "
                       f"{diff['high'] * 100:+.1f}]", *(Interval(**scores[k]["kl"]).text(percent=False)
                                                       for k in ("scd", "raw")))
+    console.print(table)
+    table = Table(title="Greedy answers on held-out requests, token by token, against each fine-tune's own answer "
+                        "(mean over requests [95% bootstrap interval])")
+    for column in ("fine-tune", "requests", "scd codes", "raw KV reuse", "codes minus raw (paired)"):
+        table.add_column(column)
+    for r in results:
+        routes, diff = r["against_own_answer"], r["scd_minus_raw_position_match"]
+        table.add_row(r["consumer"], str(r["windows"]),
+                      *(Interval(**routes[k]["position_match_per_window"]).text() for k in ("scd", "raw")),
+                      f"{diff['mean'] * 100:+.1f} points [{diff['low'] * 100:+.1f}, {diff['high'] * 100:+.1f}]")
     console.print(table)
     console.print("Each request: a held-out window of the fine-tune's own text, its 512-token prefix stored once by "
                   "the base model, a 32-token tail, 16 greedy tokens. Greedy answers part for good at their first "
@@ -110,21 +136,19 @@ def run_server_demo(producer: LoadedModel, consumers: list[LoadedModel], bundle:
         console.print(f"[bold]{producer.name}[/bold] prefilled the shared prefix once: {len(prefix)} tokens, first "
                       f"token after {produced.ttft_s * 1e3:.0f} ms at the client; {covered // 256} chunks of 256 "
                       f"stored as codes (and as raw KV, for the baseline) from bundle {bundle.name}.")
-        summary = {c.name: serve_consumer(deployment, c, prefix, new_tokens, console) for c in consumers}
+        summary = {c.name: serve_consumer(deployment, c, producer, prefix, covered, new_tokens, console)
+                   for c in consumers}
         agreement = []
         if agreement_requests:
             console.print(f"[bold]Agreement over {agreement_requests} held-out requests per fine-tune[/bold] "
-                          "(each answered three ways; about 4 s a request here)")
-            agreement = [consumer_agreement(deployment, c, agreement_requests, 512, 32, 16, producer=producer)
-                         for c in consumers]
-    console.print("[bold]Greedy answers against each consumer's own[/bold] (tokens agreeing before the first "
-                  "difference, all requests):")
+                          "(each answered three ways and scored; about 5 s a request here)")
+            agreement = []
+            for c in consumers:
+                console.print(f"  {c.name}: {agreement_requests} held-out windows of its own text ...")
+                agreement.append(consumer_agreement(deployment, c, agreement_requests, 512, 32, 16, producer=producer))
+    console.print("[bold]How close codes and raw KV keep each fine-tune to its own prefill[/bold]:")
     for name, rows in summary.items():
-        total = sum(r["tokens"] for r in rows)
-        console.print(f"  {name}: scd codes {sum(r['same']['scd'] for r in rows)} of {total}, raw KV reuse "
-                      f"{sum(r['same']['raw'] for r in rows)} of {total}; TTFT own / codes / raw (mean) "
-                      + " / ".join(f"{sum(r['answers'][k].ttft_s for r in rows) / len(rows) * 1e3:.0f} ms"
-                                   for k in ROUTES))
+        console.print(summary_line(name, rows))
     if agreement:
         agreement_table(agreement, console)
     if redis_url is None:
