@@ -121,18 +121,19 @@ demo: $(STAMP) $(VLLM_STAMP) models
 	$(SCD) demo
 
 # pytest's exit code 5 (no tests collected) is not a failure of the set-up. The device check's dry run
-# (tests/bench/test_device_check.py) runs in $(GPUSET), the GPU machine's package set; then the vLLM
+# (integration_tests/test_device_check.py) runs in $(GPUSET), the GPU machine's package set; then the vLLM
 # connector's tests run again against vLLM 0.34's Python (test-vllm034).
 test: $(STAMP) $(SGLANG_STAMP) $(VLLM_STAMP) $(VLLM034_STAMP) $(GPUSET_STAMP) system-deps models
 	$(PY) tools/lint_imports.py
 	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; \
 	$(MAKE) --no-print-directory test-vllm034 || rc=1; exit $$rc
 
-# The contributor's loop: the layer check and the unit tests (tests/), nothing installed but the venv.
+# The contributor's loop: the layer check and the unit tests (tests/) but the slow ones (processes, Triton's
+# interpreter, whole benches: `make test` runs them), nothing installed but the venv, each test cut at 60 s.
 # -rs lists every skip with its reason (the vLLM-side unit tests need `make vllm`, CUDA tests a GPU).
 test-fast: $(STAMP)
 	$(PY) tools/lint_imports.py
-	$(PY) -m pytest -q -rs tests
+	$(PY) -m pytest -q -rs -m "not slow and not benchmark" --timeout 60 tests
 
 # ruff, and the layering (pyproject.toml's import-linter contracts, on the package as it installs)
 lint: $(STAMP)

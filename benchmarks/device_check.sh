@@ -23,7 +23,7 @@
 # pytest counts and skip reasons, the decode figures and which kernel ran, the calibration's figures.
 # DEVICE_CHECK_DRY=1: the same steps on this machine's CPU at toy sizes, from the same kind of install, the tests
 # executed (those that need CUDA skip); `make device-check-dry` runs it in .venv-gpuset, a venv of the GPU
-# machine's package set (tests/bench/test_device_check.py, in `make test`). PYTHON: the interpreter to use.
+# machine's package set (integration_tests/test_device_check.py, in `make test`). PYTHON: the interpreter to use.
 # DEVICE_CHECK_ONLY="step ...": run only these steps (the others are recorded as not selected).
 # Usage there: bash benchmarks/device_check.sh
 set -uo pipefail

@@ -9,6 +9,7 @@ pytest.importorskip("vllm", reason="LMCache takes its sha256_cbor chunk hash fro
 from scd_store.bench.engine_put import EnginePutConfig, run_engine_put_bench
 
 
+@pytest.mark.slow
 def test_every_offered_chunk_is_stored_and_latencies_are_reported():
     report = run_engine_put_bench(EnginePutConfig(prompts=2, prompt_tokens=64, chunk_tokens=32, layers=2))
     for path in ("put_queue", "encode_on_engine_thread"):

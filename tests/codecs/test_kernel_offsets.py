@@ -138,6 +138,7 @@ def interpreted() -> dict[str, str]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_kernel_offsets_past_2_31_under_the_interpreter(interpreted, case):
     if interpreted[case].startswith("skip: "):

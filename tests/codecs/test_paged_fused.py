@@ -152,6 +152,7 @@ def interpreted() -> dict[str, str]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
 def test_paged_kernel_matches_the_reference_under_the_interpreter(interpreted, case):
     assert interpreted[case_id(case)] == "ok", interpreted[case_id(case)]

@@ -63,6 +63,7 @@ def compare(device: str, graphs: bool) -> None:
         assert fused.graphs.captures == 8 and fused.graphs.eager_decodes == 0 and fused.graphs.replays == 16
 
 
+@pytest.mark.slow
 def test_fused_kernel_matches_the_pytorch_decode_under_the_interpreter():
     pytest.importorskip("triton")
     skip_without_triton_interpreter()

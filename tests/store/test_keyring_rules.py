@@ -59,6 +59,7 @@ def _make_host_keyring(directory: str) -> str:
     return signer.public.public.hex()
 
 
+@pytest.mark.slow
 @needs_cryptography
 def test_processes_starting_together_make_one_host_key(tmp_path) -> None:
     with multiprocessing.get_context("spawn").Pool(4) as pool:

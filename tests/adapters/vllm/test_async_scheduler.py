@@ -23,6 +23,7 @@ def _until(check, timeout=10.0):
     return check()
 
 
+@pytest.mark.slow
 def test_vllm_frees_an_aborted_requests_blocks_once_its_cancelled_load_is_reported(tmp_path):
     inside, written = threading.Event(), []
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "device_check.sh"
 GPUSET = Path(os.environ.get("DEVICE_CHECK_PYTHON", ROOT / ".venv-gpuset" / "bin" / "python"))
 CARRIED = GPUSET.parent.parent / "wheels"
@@ -29,6 +29,7 @@ def dry_run(out: Path, python: Path | str, **env: str) -> dict:
     env = {**os.environ, "DEVICE_CHECK_DRY": "1", "OUT": str(out), "PYTHON": str(python),
            "DEVICE_CHECK_WHEELS": str(out / "no-wheels"), **env}
     env.pop("PYTHONPATH", None)
+    env.pop("SCD_STORE_SIGNING_KEYS", None)  # integration_tests' session keys: the GPU machine has none set
     done = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads((out / "device_check.json").read_text())
