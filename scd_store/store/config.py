@@ -53,33 +53,31 @@ STORE_ENV: dict[str, str] = {  # variable -> StoreConfig field
     "SCD_STORE_REPAIR_RATE": "repair_rate",
     "SCD_STORE_STATS_FLUSH_S": "stats_flush_s",
 }
-TIER_ENV: dict[str, tuple[str, str]] = {  # variable -> (tier kind, TierConfig field), for every tier of that kind
+_COMMON = ("max_bytes", "op_timeout_s", "queue_size", "writers")
+TIER_FIELDS: dict[str, tuple[str, ...]] = {  # the TierConfig fields each kind takes; setting another is an error
+    "gpu": _COMMON,
+    "cpu": (*_COMMON, "pinned"),
+    "peer": (*_COMMON, "path", "url", "publish", "transfer", "max_value_bytes"),
+    "disk": (*_COMMON, "path", "fsync", "rescan_s", "max_value_bytes"),
+    "redis": (*_COMMON, "url", "ttl_s", "max_value_bytes", "apply_server_maxmemory", "max_lifetime_s"),
+}
+# variable -> (tier kind, TierConfig field), for every tier of that kind: one per setting of the kind among
+# max_bytes, path, ttl_s, url, queue_size, max_value_bytes and max_lifetime_s (a test holds it to TIER_FIELDS)
+TIER_ENV: dict[str, tuple[str, str]] = {
     "SCD_STORE_GPU_MAX_BYTES": ("gpu", "max_bytes"),
-    "SCD_STORE_GPU_PATH": ("gpu", "path"),
-    "SCD_STORE_GPU_TTL_S": ("gpu", "ttl_s"),
-    "SCD_STORE_GPU_URL": ("gpu", "url"),
     "SCD_STORE_GPU_QUEUE_SIZE": ("gpu", "queue_size"),
-    "SCD_STORE_GPU_MAX_VALUE_BYTES": ("gpu", "max_value_bytes"),
     "SCD_STORE_CPU_MAX_BYTES": ("cpu", "max_bytes"),
-    "SCD_STORE_CPU_PATH": ("cpu", "path"),
-    "SCD_STORE_CPU_TTL_S": ("cpu", "ttl_s"),
-    "SCD_STORE_CPU_URL": ("cpu", "url"),
     "SCD_STORE_CPU_QUEUE_SIZE": ("cpu", "queue_size"),
-    "SCD_STORE_CPU_MAX_VALUE_BYTES": ("cpu", "max_value_bytes"),
     "SCD_STORE_PEER_MAX_BYTES": ("peer", "max_bytes"),
     "SCD_STORE_PEER_PATH": ("peer", "path"),
-    "SCD_STORE_PEER_TTL_S": ("peer", "ttl_s"),
     "SCD_STORE_PEER_URL": ("peer", "url"),
     "SCD_STORE_PEER_QUEUE_SIZE": ("peer", "queue_size"),
     "SCD_STORE_PEER_MAX_VALUE_BYTES": ("peer", "max_value_bytes"),
     "SCD_STORE_DISK_MAX_BYTES": ("disk", "max_bytes"),
     "SCD_STORE_DISK_PATH": ("disk", "path"),
-    "SCD_STORE_DISK_TTL_S": ("disk", "ttl_s"),
-    "SCD_STORE_DISK_URL": ("disk", "url"),
     "SCD_STORE_DISK_QUEUE_SIZE": ("disk", "queue_size"),
     "SCD_STORE_DISK_MAX_VALUE_BYTES": ("disk", "max_value_bytes"),
     "SCD_STORE_REDIS_MAX_BYTES": ("redis", "max_bytes"),
-    "SCD_STORE_REDIS_PATH": ("redis", "path"),
     "SCD_STORE_REDIS_TTL_S": ("redis", "ttl_s"),
     REDIS_URL_ENV: ("redis", "url"),
     "SCD_STORE_REDIS_QUEUE_SIZE": ("redis", "queue_size"),
@@ -173,6 +171,11 @@ class TierConfig:
             raise ConfigError(f"{self.kind} tier: rescan_s must be > 0 or null")
         if self.queue_size <= 0 or self.writers <= 0:
             raise ConfigError(f"{self.kind} tier: queue_size and writers must be > 0")
+        for spec in fields(self):  # after normalising: a byte size or a flag given as text is still its default
+            default = parse_bytes(spec.default) if spec.name == "max_value_bytes" else spec.default
+            if spec.name != "kind" and spec.name not in TIER_FIELDS[self.kind] and getattr(self, spec.name) != default:
+                raise ConfigError(f"{self.kind} tier: {spec.name} is not a {self.kind} tier's setting (it takes "
+                                  f"{', '.join(TIER_FIELDS[self.kind])})")
 
 
 def _default_tiers() -> tuple[TierConfig, ...]:

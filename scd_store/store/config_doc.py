@@ -11,7 +11,15 @@ from __future__ import annotations
 
 from dataclasses import MISSING, fields
 
-from scd_store.store.config import REDIS_URL_ENV, STORE_ENV, TIER_ENV, TIER_KINDS, StoreConfig, TierConfig
+from scd_store.store.config import (
+    REDIS_URL_ENV,
+    STORE_ENV,
+    TIER_ENV,
+    TIER_FIELDS,
+    TIER_KINDS,
+    StoreConfig,
+    TierConfig,
+)
 
 STORE_DOCS = {
     "tiers": "ordered tiers, fastest first (`gpu`, `cpu`, `peer`, `disk`, `redis`); default: cpu 1GiB + disk 8GiB",
@@ -136,7 +144,10 @@ def reference() -> str:
              "then `SCD_STORE_*` variables. Unknown keys are errors; booleans are `true`/`false`, `1`/`0`, "
              "`yes`/`no` or `on`/`off`, anything else is an error.", "", "## Store (`StoreConfig`)", "",
              *_table(StoreConfig, STORE_DOCS), "", "## Tier (`TierConfig`, one entry of `tiers`)", "",
-             *_table(TierConfig, TIER_DOCS), "", "## Environment", "",
+             *_table(TierConfig, TIER_DOCS), "", "What each kind takes (a setting of another kind is an error, not "
+             "silently ignored):", "", "| kind | settings |", "| --- | --- |",
+             *(f"| `{kind}` | {', '.join(f'`{name}`' for name in names)} |" for kind, names in TIER_FIELDS.items()),
+             "", "## Environment", "",
              "Every variable scd-store reads, by its name. A variable's text is read as its key's type (byte sizes "
              "and booleans as in the YAML).", "", *_environment(), "", "## Example", "", "```yaml", "store:",
              "  tiers:", "    - {kind: cpu, max_bytes: 2GiB}",

@@ -73,13 +73,28 @@ def test_redis_urls() -> None:
             parse_redis_url(bad)
 
 
-def test_every_tier_kind_has_its_variables_by_literal_name() -> None:
-    from scd_store.store.config import TIER_ENV, TIER_KINDS
+def test_every_tier_kind_has_a_variable_for_each_of_its_own_settings_only() -> None:
+    from scd_store.store.config import TIER_ENV, TIER_FIELDS
 
-    keys = ("max_bytes", "path", "ttl_s", "url", "queue_size", "max_value_bytes")
-    own = {("redis", "max_lifetime_s")}  # a setting of one kind only
-    assert set(TIER_ENV.values()) == {(kind, key) for kind in TIER_KINDS for key in keys} | own
+    keys = ("max_bytes", "path", "ttl_s", "url", "queue_size", "max_value_bytes", "max_lifetime_s")
+    assert set(TIER_ENV.values()) == {(kind, key) for kind, own in TIER_FIELDS.items() for key in keys if key in own}
     assert all(name == f"SCD_STORE_{kind.upper()}_{key.upper()}" for name, (kind, key) in TIER_ENV.items())
+    assert "SCD_STORE_CPU_TTL_S" not in TIER_ENV and "SCD_STORE_REDIS_URL" in TIER_ENV
+
+
+@pytest.mark.parametrize("kind, setting", [("cpu", {"ttl_s": 60}), ("gpu", {"path": "/x"}), ("disk", {"url": "redis://h"}),
+                                           ("cpu", {"max_value_bytes": "1MiB"}), ("redis", {"fsync": True}),
+                                           ("disk", {"transfer": "nixl"})])
+def test_a_setting_the_tier_kind_does_not_use_is_an_error_not_silently_ignored(kind, setting) -> None:
+    base = {"url": "redis://127.0.0.1:6379"} if kind == "redis" else {}
+    with pytest.raises(ConfigError, match=f"{next(iter(setting))} is not a {kind} tier's setting"):
+        TierConfig(kind, **base, **setting)
+
+
+def test_a_foreign_setting_left_at_its_default_is_accepted_in_any_spelling(tmp_path) -> None:
+    path = tmp_path / "store.yaml"
+    path.write_text("store:\n  tiers:\n    - {kind: cpu, max_value_bytes: 64MiB, fsync: 'false', publish: true}\n")
+    assert StoreConfig.from_yaml(path).tiers[0].kind == "cpu"
 
 
 def test_store_variables_name_their_fields() -> None:
@@ -151,8 +166,11 @@ def test_bad_variables_name_themselves() -> None:
 
 
 def test_tier_and_store_booleans_from_yaml_text() -> None:
-    tier = TierConfig("cpu", pinned="yes", fsync="off", publish="0", apply_server_maxmemory=True)
-    assert (tier.pinned, tier.fsync, tier.publish, tier.apply_server_maxmemory) == (True, False, False, True)
+    tiers = (TierConfig("cpu", pinned="yes"), TierConfig("disk", path="/tmp/x", fsync="off"),
+             TierConfig("peer", path="/tmp/p", publish="0"),
+             TierConfig("redis", url="redis://h:1/0", apply_server_maxmemory=True))
+    assert (tiers[0].pinned, tiers[1].fsync, tiers[2].publish, tiers[3].apply_server_maxmemory) == (True, False, False,
+                                                                                                 True)
     assert StoreConfig.from_dict({"tiers": [{"kind": "cpu"}], "require_signed": "true"}).require_signed is True
     with pytest.raises(ConfigError, match="cpu tier: pinned must be true or false"):
         TierConfig("cpu", pinned="sometimes")
