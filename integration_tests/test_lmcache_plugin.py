@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -349,14 +348,12 @@ def test_salted_requests_are_neither_stored_nor_served(setup):
 def test_an_engine_that_serves_lora_adapters_never_writes_whatever_its_settings(setup, monkeypatch):
     """LMCache keys carry no LoRA id: on an --enable-lora engine (scd-store's vLLM connector says so) a tenant
     choosing an adapter would get the adapter's KV stored under the base model's keys."""
-    from scd_store.adapters.lmcache.plugin import LORA_ENV
-    from scd_store.adapters.vllm.lmcache_cpu import LORA_ENV as CONNECTOR_LORA_ENV
     from scd_store.adapters.vllm.lmcache_cpu import mark_lora_engine
+    from scd_store.service import engine_facts
 
-    assert LORA_ENV == CONNECTOR_LORA_ENV
-    monkeypatch.setenv(LORA_ENV, "0")  # restored after the test (the connector sets it for its whole process)
-    assert not mark_lora_engine(SimpleNamespace(lora_config=None)) and os.environ[LORA_ENV] == "0"
-    assert mark_lora_engine(SimpleNamespace(lora_config=object())) and os.environ[LORA_ENV] == "1"
+    monkeypatch.setattr(engine_facts, "_serves_lora", False)  # restored after the test (said for the whole process)
+    assert not mark_lora_engine(SimpleNamespace(lora_config=None)) and not engine_facts.serves_lora()
+    assert mark_lora_engine(SimpleNamespace(lora_config=object())) and engine_facts.serves_lora()
     bundle, store_yaml, start = setup
     base = start(PRODUCER, plugin_config([bundle], store_yaml, CHUNK), producer_kv())  # serves_adapters unset
     plugin = scd_backend(base)

@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -47,25 +46,16 @@ from scd_store.adapters.lmcache.hashing import lmcache_canary
 from scd_store.adapters.lmcache.identity import SALT_TAG, ChunkIdentity, batch_identity, key_identity
 from scd_store.adapters.lmcache.layout import chunk_hash_bytes, state_from_kv_2ltd
 from scd_store.codecs.kv_state import KVState
-from scd_store.flags import parse_flag
 from scd_store.service import EngineSettings, Role, SettingsError, acquire_service, release_service
+from scd_store.service.engine_facts import serves_lora
 from scd_store.service.log_once import LogOnce
 
 log = logging.getLogger("scd_store.adapters.lmcache")
-LORA_ENV = "SCD_STORE_ENGINE_SERVES_LORA"  # set by the vLLM connector (LMCacheCpuConnector) of an --enable-lora engine
-
-
 def engine_serves_lora() -> bool:
-    """Whether this process's engine serves LoRA adapters: said by scd-store's vLLM connector, or by the vLLM
-    config in force while LMCache builds its backends. An empty variable counts as unset; any other value
-    that is no flag is refused."""
-    said = os.environ.get(LORA_ENV, "").strip()
-    if said:
-        try:
-            if parse_flag(said, LORA_ENV):
-                return True
-        except ValueError as exc:
-            raise SettingsError(str(exc)) from None
+    """Whether this process's engine serves LoRA adapters: said by scd-store's vLLM connector in this process
+    (:mod:`scd_store.service.engine_facts`), or by the vLLM config in force while LMCache builds its backends."""
+    if serves_lora():
+        return True
     try:
         from vllm.config import get_current_vllm_config_or_none
     except ImportError:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
 import threading
 from collections.abc import Iterator, Mapping
 from types import ModuleType
@@ -30,11 +29,12 @@ from typing import Any, ClassVar
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import LMCacheConnectorV1
 
+from scd_store.service.engine_facts import mark_serves_lora
+
 _factory_lock = threading.Lock()
 # the LMCache request config that carries a request's salt tag: the scd-store plugin refuses keys holding it
 # (scd_store.adapters.lmcache.identity TAG + SALT_TAG; spelled out here, engine adapters do not import each other)
 SALT_CONFIG = "lmcache.tag.scd_cache_salt"
-LORA_ENV = "SCD_STORE_ENGINE_SERVES_LORA"  # read by the scd-store LMCache plugin (adapters.lmcache.plugin.LORA_ENV)
 
 
 def salt_tag(salt: str) -> str:
@@ -67,7 +67,7 @@ def mark_lora_engine(vllm_config: Any) -> bool:
     no LoRA id, so such an engine must never write codes); whether it does."""
     serves = getattr(vllm_config, "lora_config", None) is not None
     if serves:
-        os.environ[LORA_ENV] = "1"
+        mark_serves_lora()
     return serves
 
 

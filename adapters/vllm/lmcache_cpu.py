@@ -30,7 +30,6 @@ from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
 from lmcache.v1.memory_management import MemoryFormat
 
 from scd_store.adapters.vllm.lmcache_base import (
-    LORA_ENV,
     SALT_CONFIG,
     ScdLMCacheConnector,
     mark_lora_engine,
@@ -41,7 +40,7 @@ from scd_store.adapters.vllm.lmcache_base import (
 )
 from scd_store.adapters.vllm.paged_layout import BlockMap, LayoutError, layer_maps, read_tokens, write_tokens
 
-__all__ = ["LORA_ENV", "SALT_CONFIG", "LMCacheCpuConnector", "VllmCpuPagedConnector", "mark_lora_engine",
+__all__ = ["SALT_CONFIG", "LMCacheCpuConnector", "VllmCpuPagedConnector", "mark_lora_engine",
            "salt_tag", "tag_cache_salt"]
 
 

@@ -97,9 +97,6 @@ OTHER_ENV = [  # variables read outside StoreConfig's fields: by load_config, th
                                                     "the `scd-store` process; unset or false, it reuses freed blocks "
                                                     "(`mallopt(M_MMAP_MAX, 0)`, docs/scd.md); any other value is "
                                                     "warned about and ignored"),
-    ("SCD_STORE_ENGINE_SERVES_LORA", "the LMCache plugin", "`1`: this process's engine serves LoRA adapters, as "
-                                                           "`serves_adapters` (set by scd-store's vLLM connector of "
-                                                           "an `--enable-lora` engine, not by hand)"),
     ("SCD_STORE_PYTHON_STDLIB", "the calibration corpora", "directory of the Python standard library sources the "
                                                            "`python` corpus reads (default: this interpreter's), to "
                                                            "pin one Python version's sources"),

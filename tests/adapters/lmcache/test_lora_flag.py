@@ -1,5 +1,5 @@
-"""SCD_STORE_ENGINE_SERVES_LORA, the vLLM connector's word to the LMCache plugin, reads as a flag; other values
-are refused (never a guess about whether an engine may write codes)."""
+"""The vLLM connector's word to the LMCache plugin that its engine serves LoRA adapters travels in this process's
+memory (scd_store.service.engine_facts), never through the environment that child processes inherit."""
 
 from __future__ import annotations
 
@@ -8,22 +8,12 @@ import pytest
 pytest.importorskip("lmcache", reason="the LMCache stack is installed by `make test`")
 
 from scd_store.adapters.lmcache.plugin import engine_serves_lora  # noqa: E402
-from scd_store.service import SettingsError  # noqa: E402
+from scd_store.service import engine_facts  # noqa: E402
 
 
-@pytest.mark.parametrize("value", ["1", "true", "Yes", "on"])
-def test_a_true_flag_says_the_engine_serves_adapters(monkeypatch, value):
-    monkeypatch.setenv("SCD_STORE_ENGINE_SERVES_LORA", value)
+def test_the_plugin_hears_the_connector_in_this_process_only(monkeypatch) -> None:
+    monkeypatch.setattr(engine_facts, "_serves_lora", False)  # restored after the test
+    monkeypatch.setenv("SCD_STORE_ENGINE_SERVES_LORA", "1")  # the old side channel: no longer read
+    assert not engine_serves_lora()  # no vLLM config in force here, and nothing said
+    engine_facts.mark_serves_lora()
     assert engine_serves_lora()
-
-
-@pytest.mark.parametrize("value", ["0", "false", "off", "", "  "])
-def test_a_false_flag_leaves_it_to_the_engine_config(monkeypatch, value):
-    monkeypatch.setenv("SCD_STORE_ENGINE_SERVES_LORA", value)
-    assert not engine_serves_lora()  # no vLLM config in force here
-
-
-def test_a_value_that_is_no_flag_is_refused(monkeypatch):
-    monkeypatch.setenv("SCD_STORE_ENGINE_SERVES_LORA", "maybe")
-    with pytest.raises(SettingsError, match="SCD_STORE_ENGINE_SERVES_LORA"):
-        engine_serves_lora()
