@@ -95,6 +95,7 @@ class ScdConnector(KVConnectorBase_V1):
                          "recomputed by the engine, never a failed request)")
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
             binding = self.service.binding(self.served_model)
+            self.service.note_served(self.served_model)
             check_tensor_parallel(vllm_config, binding.role if binding is not None else None,
                                   self._kv_transfer_config.kv_role)
             self.check_hashing(self.served_model)

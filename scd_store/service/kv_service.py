@@ -146,6 +146,13 @@ class KVService:
             self.discovery.want(self.aliases.get(model, model))
         return binding
 
+    def note_served(self, model: str) -> None:
+        """Say that this process's engine serves ``model`` (its stats records name it with its role, as they
+        name every model it stores or looks up); an unbound model is not named."""
+        binding = self.binding(model)
+        if binding is not None:
+            self._serving[model] = binding.role
+
     def models(self) -> dict[str, str]:
         """Every bound model name and its role."""
         return self.bindings.roles()

@@ -254,3 +254,6 @@ def test_the_process_stats_name_the_models_its_engine_asked_for_by_role(store, b
     service.contains("consumer-b", HASHES, tokens=24)
     service.contains("stranger", HASHES, tokens=24)
     assert store.stats.serves() == {PRODUCER: "producer", "consumer-b": "consumer"}
+    service.note_served("consumer-a")  # an engine says what it serves before any request
+    service.note_served("stranger")
+    assert store.stats.serves() == {PRODUCER: "producer", "consumer-a": "consumer", "consumer-b": "consumer"}

@@ -146,7 +146,8 @@ def run_server_demo(producer: LoadedModel, consumers: list[LoadedModel], bundle:
             for c in consumers:
                 console.print(f"  {c.name}: {agreement_requests} held-out windows of its own text ...")
                 agreement.append(consumer_agreement(deployment, c, agreement_requests, 512, 32, 16, producer=producer))
-    console.print("[bold]How close codes and raw KV keep each fine-tune to its own prefill[/bold]:")
+    console.print("[bold]Codes against raw KV, next token along each fine-tune's own answers[/bold] (against its own "
+                  "prefill):")
     for name, rows in summary.items():
         console.print(summary_line(name, rows))
     if agreement:

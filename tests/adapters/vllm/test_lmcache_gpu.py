@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -31,7 +30,7 @@ from lmcache.v1.gpu_connector.gpu_connectors import (  # noqa: E402
 from scd_store.adapters.lmcache.dense_connector import DenseKVConnector  # noqa: E402
 from scd_store.adapters.lmcache.plugin import ScdStoragePlugin  # noqa: E402
 from scd_store.adapters.vllm import lmcache_gpu  # noqa: E402
-from scd_store.adapters.vllm.lmcache_base import LORA_ENV, record_positions  # noqa: E402
+from scd_store.adapters.vllm.lmcache_base import record_positions  # noqa: E402
 from scd_store.adapters.vllm.lmcache_cpu import LMCacheCpuConnector  # noqa: E402
 from scd_store.adapters.vllm.lmcache_gpu import (  # noqa: E402
     LMCacheGpuConnector,
@@ -40,6 +39,7 @@ from scd_store.adapters.vllm.lmcache_gpu import (  # noqa: E402
     RecordsPositions,
     positioned_gpu_connectors,
 )
+from scd_store.service import engine_facts  # noqa: E402
 from tests.adapters.lmcache.engines import (  # noqa: E402
     DIM,
     HEADS,
@@ -229,13 +229,13 @@ def test_the_connector_builds_lmcache_with_the_positioned_classes_and_says_when_
     from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import LMCacheConnectorV1
 
     monkeypatch.setattr(LMCacheConnectorV1, "__init__", FakeLMCacheConnector.__init__)
-    monkeypatch.setenv(LORA_ENV, "")  # recorded as absent, so the "1" the connector sets is undone afterwards
+    monkeypatch.setattr(engine_facts, "_serves_lora", False)  # what the connector says is undone afterwards
     monkeypatch.setattr(lmcache_gpu, "engine_gpu_connector", lambda: object.__new__(PositionedPagedV2))
     config = vllm_config("cuda", lora=True)
     with caplog.at_level(logging.WARNING, logger="scd_store.adapters.vllm"):
         LMCacheGpuConnector(config, "worker")
     assert FakeLMCacheConnector.built[-1] is PositionedPagedV2  # LMCache's engine was built under the patch
-    assert config.kv_transfer_config.kv_load_failure_policy == "recompute" and os.environ[LORA_ENV] == "1"
+    assert config.kv_transfer_config.kv_load_failure_policy == "recompute" and engine_facts.serves_lora()
     assert "records no chunk positions" not in caplog.text
     monkeypatch.setattr(lmcache_gpu, "engine_gpu_connector", lambda: object.__new__(VLLMPagedMemGPUConnectorV2))
     with caplog.at_level(logging.WARNING, logger="scd_store.adapters.vllm"):
