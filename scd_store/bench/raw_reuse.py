@@ -71,6 +71,9 @@ class RawKVDirectory:
     def count_requested(self, model: str, tokens: int) -> None:
         return  # the baseline keeps no hit statistics
 
+    def note_served(self, model: str) -> None:
+        return  # nor names what its process serves
+
     def check_hashing(self, model: str, canary: Any) -> None:
         return  # one process layout and scd-store's own chain: nothing to compare
 

@@ -31,7 +31,8 @@ def test_the_raw_baseline_offers_every_service_call_the_vllm_connector_makes(tmp
 
     called = {name for path in Path(vllm_adapter.__file__).parent.glob("*.py")
               for name in re.findall(r"\bservice\.([a-z_]+)\b(?!\.)", path.read_text())}
-    called -= {"py", "settings", "hashing", "hash_agreement", "log_once", "kv_service", "defaults"}  # modules
+    called -= {"py", "settings", "hashing", "hash_agreement", "log_once", "kv_service", "defaults",
+               "engine_facts"}  # modules
     assert {"chunk_size", "lookup", "get", "submit_put", "count", "observe", "incidents"} <= called
     raw = RawKVDirectory(tmp_path / "raw", producer="base", chunk_size=8)
     assert sorted(name for name in called if not hasattr(raw, name)) == []
