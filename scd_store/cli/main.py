@@ -220,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--redis", help="add a Redis tier (and keep the registry there), e.g. redis://127.0.0.1:6379")
     demo.add_argument("--bundle", help="serve this calibration bundle (default: the one kept with scd-store for the "
                                        "catalog fine-tunes, calibrated at the defaults)")
-    demo.add_argument("--agreement-requests", type=int, default=8,
+    demo.add_argument("--agreement-requests", type=int, default=6,
                       help="held-out requests per fine-tune whose answers are compared with its own, codes and raw "
                            "KV, with 95%% intervals (vLLM; 0: none)")
     demo.add_argument("--new-tokens", type=int, default=24, help="greedy tokens generated per request")

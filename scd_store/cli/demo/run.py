@@ -62,7 +62,7 @@ class DemoConfig:
     device: str = "cpu"
     store_dir: str | None = None  # the embedded store's directory (default: <data dir>/demo-store)
     engine: str = "auto"  # "vllm" (real servers), "transformers" (this process), "auto": vllm when installed
-    agreement_requests: int = 8  # vLLM: held-out requests per fine-tune whose answers are compared (0: none)
+    agreement_requests: int = 6  # vLLM: held-out requests per fine-tune whose answers are compared (0: none)
 
     def __post_init__(self) -> None:
         if self.new_tokens <= 0:

@@ -119,7 +119,7 @@ def agreement_table(results: list[dict], console: Console) -> None:
 
 def run_server_demo(producer: LoadedModel, consumers: list[LoadedModel], bundle: Path, new_tokens: int,
                     redis_url: str | None, console: Console, root: Path | None = None,
-                    agreement_requests: int = 8) -> int:
+                    agreement_requests: int = 6) -> int:
     """Start the servers, store the shared prefix through the producer, serve every consumer request, then
     measure agreement over ``agreement_requests`` held-out requests per fine-tune (servers' store, logs and
     stats under ``root``, default ``<data dir>/demo-vllm``)."""
