@@ -30,7 +30,8 @@ def dry_run(out: Path, python: Path | str, **env: str) -> dict:
            "DEVICE_CHECK_WHEELS": str(out / "no-wheels"), **env}
     env.pop("PYTHONPATH", None)
     env.pop("SCD_STORE_SIGNING_KEYS", None)  # integration_tests' session keys: the GPU machine has none set
-    done = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=900)
+    # under make test's 900 s per test, so a stuck script is reported with its output
+    done = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=840)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads((out / "device_check.json").read_text())
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from scd_store.cli.main import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").rglob("*.md"))]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
@@ -19,8 +19,10 @@ def _anchors(page: Path) -> set[str]:
     ``<a id="...">`` ones."""
     text = page.read_text()
     out = set(re.findall(r'<a id="([^"]+)"', text))
+    fenced = False
     for line in text.splitlines():
-        if line.startswith("#"):
+        fenced ^= line.startswith("```")
+        if line.startswith("#") and not fenced:
             text = line.lstrip("#").strip().lower()
             out.add(re.sub(r"[^\w\- ]", "", text).replace(" ", "-"))
     return out

@@ -51,6 +51,8 @@ from scd_store.service.engine_facts import serves_lora
 from scd_store.service.log_once import LogOnce
 
 log = logging.getLogger("scd_store.adapters.lmcache")
+
+
 def engine_serves_lora() -> bool:
     """Whether this process's engine serves LoRA adapters: said by scd-store's vLLM connector in this process
     (:mod:`scd_store.service.engine_facts`), or by the vLLM config in force while LMCache builds its backends."""

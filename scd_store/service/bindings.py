@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from enum import StrEnum
+from enum import Enum
 
 from scd_store.codecs.base import Codec
 from scd_store.codecs.scd.space import CodeSpace
@@ -16,11 +16,14 @@ from scd_store.errors import ScdStoreError
 from scd_store.service.defaults import MAX_POSITIONS
 
 
-class Role(StrEnum):
+class Role(str, Enum):
     """What a model is to a space: the one model that writes its codes, or one that reads them."""
 
     PRODUCER = "producer"
     CONSUMER = "consumer"
+
+    __str__ = str.__str__  # "producer" in text and logs, as enum.StrEnum (Python 3.11+) would print it
+    __format__ = str.__format__
 
 
 class ServiceError(ScdStoreError, ValueError):
@@ -82,4 +85,4 @@ class Bindings:
 
     def roles(self) -> dict[str, str]:
         """Every bound model name and its role."""
-        return {name: b.role for name, b in sorted(self._by_model.items())}
+        return {name: b.role.value for name, b in sorted(self._by_model.items())}

@@ -82,9 +82,9 @@ def test_every_tier_kind_has_a_variable_for_each_of_its_own_settings_only() -> N
     assert "SCD_STORE_CPU_TTL_S" not in TIER_ENV and "SCD_STORE_REDIS_URL" in TIER_ENV
 
 
-@pytest.mark.parametrize("kind, setting", [("cpu", {"ttl_s": 60}), ("gpu", {"path": "/x"}), ("disk", {"url": "redis://h"}),
-                                           ("cpu", {"max_value_bytes": "1MiB"}), ("redis", {"fsync": True}),
-                                           ("disk", {"transfer": "nixl"})])
+@pytest.mark.parametrize("kind, setting", [
+    ("cpu", {"ttl_s": 60}), ("gpu", {"path": "/x"}), ("disk", {"url": "redis://h"}),
+    ("cpu", {"max_value_bytes": "1MiB"}), ("redis", {"fsync": True}), ("disk", {"transfer": "nixl"})])
 def test_a_setting_the_tier_kind_does_not_use_is_an_error_not_silently_ignored(kind, setting) -> None:
     base = {"url": "redis://127.0.0.1:6379"} if kind == "redis" else {}
     with pytest.raises(ConfigError, match=f"{next(iter(setting))} is not a {kind} tier's setting"):

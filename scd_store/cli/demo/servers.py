@@ -39,7 +39,11 @@ def serve_consumer(deployment: Deployment, consumer: LoadedModel, producer: Load
                    covered: int, new_tokens: int, console: Console) -> list[dict]:
     """Each of the consumer's demo requests, three ways; prints its table and answers."""
     server = deployment.servers[consumer.name]
-    codes = KVState.cat(deployment.store_service().get(consumer.name, chunk_hashes(prefix[:covered], CHUNK)))
+    states = deployment.store_service().get(consumer.name, chunk_hashes(prefix[:covered], CHUNK))
+    if sum(s.num_tokens for s in states) != covered:  # scoring other positions than the server loaded: refuse
+        raise RuntimeError(f"the store gave {sum(s.num_tokens for s in states)} of the shared prefix's {covered} "
+                           f"stored tokens for {consumer.name}; the demo scores codes only where it has them all")
+    codes = KVState.cat(states)
     own_state, raw_state = prefix_states(consumer, producer, prefix[:covered])
     rows = []
     requests = REQUESTS[consumer.name]
