@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 import traceback
 from collections.abc import Callable
 
@@ -22,7 +20,7 @@ import torch
 
 from scd_store.codecs.scd import fused
 from scd_store.codecs.scd import paged_fused as pf
-from tests.conftest import skip_without_triton_interpreter
+from tests.codecs.triton_runs import interpreter_results, paged_kernels, sm90_compiler
 
 STRIDE = 2**30 + 64  # < 2**31: a 32-bit kernel argument; twice it is past 2**31
 T, D, ACT = 64, 32, 32  # tokens, head_dim, active components per group
@@ -127,15 +125,7 @@ def run_interpreter_checks() -> None:
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, str]:
-    pytest.importorskip("triton")
-    skip_without_triton_interpreter()
-    code = "from tests.codecs.test_kernel_offsets import run_interpreter_checks; run_interpreter_checks()"
-    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TRITON_INTERPRET": "1"},
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
-    # a 32-bit offset wraps negative: the interpreter writes outside the storage and the process dies (SIGSEGV)
-    assert done.returncode == 0 and done.stdout.strip(), f"{done.stdout[-200:]} rc {done.returncode}: " \
-        f"{done.stderr[-3000:]}"
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return interpreter_results("tests.codecs.test_kernel_offsets")
 
 
 @pytest.mark.slow
@@ -150,26 +140,11 @@ def test_every_computed_pointer_offset_is_64_bit_in_the_compiled_kernels():
     """Each kernel through Triton's NVIDIA front end (sm_90, no GPU needed) with 32-bit strides, as Triton passes
     strides below 2**31: every ``tt.addptr`` whose offset is 32-bit adds a constant (``+ HALF``), never a product
     of program ids, tokens or rows with a stride."""
-    triton = pytest.importorskip("triton")
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("Triton's interpreter is on: nothing compiles")
-    from triton.backends import backends
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    if "nvidia" not in backends:
-        pytest.skip("Triton without its NVIDIA backend")
-    decode, scatter = pf._kernels()
+    compile_kernel = sm90_compiler()
     for kernel, pointers, constexprs in (
             (fused._kernel(), ["*u8", "*i64", "*fp16", "*fp32", "*fp32", "*fp32", "*fp16", "*fp16"],
-             {"HALF": 16, "BT": 64, "BC": 32, "FP16": True}),
-            (decode, ["*u8", "*i64", "*fp16", "*fp32", "*fp32", "*fp32", "*bf16", "*i64", "*i64"],
-             {"BLOCK_SIZE": 16, "HALF": 32, "BT": 64, "BC": 32, "FP16": True}),
-            (scatter, ["*fp16", "*fp16", "*bf16", "*i64", "*i64"], {"BLOCK_SIZE": 16, "DIM": 64, "BT": 64})):
-        names = [n for n in kernel.arg_names if n not in constexprs]
-        signature = dict(zip(names, pointers + ["i32"] * (len(names) - len(pointers)), strict=True))
-        signature.update({n: "constexpr" for n in constexprs})
-        ttir = triton.compile(ASTSource(kernel, signature, constexprs=constexprs),
-                              target=GPUTarget("cuda", 90, 32)).asm["ttir"]
+             {"HALF": 16, "BT": 64, "BC": 32, "FP16": True}), *paged_kernels()):
+        ttir = compile_kernel(kernel, pointers, constexprs, "i32").asm["ttir"]
         adds = re.findall(r"tt\.addptr %[\w.]+, (%[\w.]+) : [^\n]*?(i32|i64)>?\s+loc", ttir)
         assert adds, "no pointer arithmetic found in the TTIR"
         constants = set(re.findall(r"(%[\w.]+) = arith\.constant", ttir))

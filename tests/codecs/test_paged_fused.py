@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import subprocess
-import sys
 import traceback
 from collections.abc import Callable
 
@@ -23,7 +20,7 @@ from scd_store.codecs.scd import paged_fused as pf
 from scd_store.codecs.scd.codec import ScdCodec
 from tests.codecs.test_scd_fused import space_and_decoder as fitted_space
 from tests.codecs.test_scd_fused import state
-from tests.conftest import skip_without_triton_interpreter
+from tests.codecs.triton_runs import interpreter_results, paged_kernels, sm90_compiler
 
 BLOCK, BLOCKS, HEADS, DIM, LAYERS = 16, 6, 2, 64, 2
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -142,14 +139,7 @@ def run_interpreter_checks() -> None:
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, str]:
-    pytest.importorskip("triton")
-    skip_without_triton_interpreter()
-    code = "from tests.codecs.test_paged_fused import run_interpreter_checks; run_interpreter_checks()"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
-                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    assert done.returncode == 0 and done.stdout.strip(), done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return interpreter_results("tests.codecs.test_paged_fused")
 
 
 @pytest.mark.slow
@@ -206,22 +196,7 @@ def test_a_captured_paged_launch_replays_into_the_same_cells(dtype_name):
 
 def test_paged_kernels_compile_for_a_gpu_without_one():
     """Both kernels through Triton's whole NVIDIA pipeline to a cubin (sm_90), which the interpreter skips."""
-    triton = pytest.importorskip("triton")
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("Triton's interpreter is on: nothing compiles")
-    from triton.backends import backends
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    if "nvidia" not in backends:
-        pytest.skip("Triton without its NVIDIA backend")
-    decode, scatter = pf._kernels()
-    for kernel, pointers, constexprs in (
-            (decode, ["*u8", "*i64", "*fp16", "*fp32", "*fp32", "*fp32", "*bf16", "*i64", "*i64"],
-             {"BLOCK_SIZE": 16, "HALF": 32, "BT": 64, "BC": 32, "FP16": True}),
-            (scatter, ["*fp16", "*fp16", "*bf16", "*i64", "*i64"], {"BLOCK_SIZE": 16, "DIM": 64, "BT": 64})):
-        names = [n for n in kernel.arg_names if n not in constexprs]
-        signature = dict(zip(names, pointers + ["i64"] * (len(names) - len(pointers)), strict=True))
-        signature.update({n: "constexpr" for n in constexprs})
-        compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs),
-                                  target=GPUTarget("cuda", 90, 32))
+    compile_kernel = sm90_compiler()
+    for kernel, pointers, constexprs in paged_kernels():
+        compiled = compile_kernel(kernel, pointers, constexprs, "i64")
         assert compiled.asm["cubin"]

@@ -1,9 +1,6 @@
 """The fused Triton decode kernel against the PyTorch decode: on CUDA where present, and always
 under Triton's interpreter on the CPU (a subprocess: the interpreter is chosen at import)."""
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,7 +10,7 @@ from scd_store.codecs.scd.codec import ScdCodec
 from scd_store.codecs.scd.decoder import PairDecoder
 from scd_store.codecs.scd.layout import KVLayout
 from scd_store.codecs.scd.space import CodeSpace
-from tests.conftest import skip_without_triton_interpreter
+from tests.codecs.triton_runs import run_interpreted
 
 LAYOUT64 = KVLayout(num_layers=2, kv_heads=2, head_dim=64, rope_theta=1e4)
 
@@ -65,12 +62,7 @@ def compare(device: str, graphs: bool) -> None:
 
 @pytest.mark.slow
 def test_fused_kernel_matches_the_pytorch_decode_under_the_interpreter():
-    pytest.importorskip("triton")
-    skip_without_triton_interpreter()
-    code = "from tests.codecs.test_scd_fused import compare; compare('cpu', False); print('ok')"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
-                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    done = run_interpreted("from tests.codecs.test_scd_fused import compare; compare('cpu', False); print('ok')")
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
