@@ -18,12 +18,11 @@ from scd_store.adapters.transformers import LoadedModel, continue_with_prefix, g
 from scd_store.adapters.transformers.inject import mean_kl
 from scd_store.bench.intervals import bootstrap_mean, bootstrap_paired
 from scd_store.bench.metrics import common_prefix
-from scd_store.bench.serving import CHUNK, ROUTES, Deployment
+from scd_store.bench.serving import ROUTES, Deployment
 from scd_store.bench.vllm_server import choice_tokens
 from scd_store.codecs.kv_state import KVState
 from scd_store.models import catalog
 from scd_store.models.windows import eval_windows
-from scd_store.store.keys import chunk_hashes
 
 
 def position_match(answer: list[int], own: list[int]) -> float:
@@ -71,7 +70,6 @@ def consumer_agreement(deployment: Deployment, consumer: LoadedModel, windows: i
     answers: dict[str, list[list[int]]] = {route: [] for route in ROUTES}
     fidelity = {"tokens": 0, "equal": 0, "logprob_diffs": []}
     scores: dict[str, list[tuple[float, float]]] = {"scd": [], "raw": []}
-    service = deployment.store_service()
     for window in eval_windows(consumer.tokenizer, corpus, windows, prefix_tokens + tail_tokens, seed=seed):
         prompt = [int(t) for t in window]
         base.complete(deployment.producer, prompt[:prefix_tokens], 1)
@@ -80,8 +78,8 @@ def consumer_agreement(deployment: Deployment, consumer: LoadedModel, windows: i
                for route, params in ROUTES.items()}
         for route, response in got.items():
             answers[route].append(choice_tokens(response)[0])
-        states = service.get(consumer.name, chunk_hashes(prompt[:covered], CHUNK))
-        want, want_lp = greedy_logprobs(consumer.model, KVState.cat(states), torch.tensor(prompt[covered:]),
+        codes = deployment.stored_codes(consumer.name, prompt[:covered])
+        want, want_lp = greedy_logprobs(consumer.model, codes, torch.tensor(prompt[covered:]),
                                         new_tokens)
         tokens, logprobs = choice_tokens(got["scd"])
         same = common_prefix(tokens, want)
@@ -89,7 +87,7 @@ def consumer_agreement(deployment: Deployment, consumer: LoadedModel, windows: i
         fidelity["equal"] += same
         fidelity["logprob_diffs"] += [abs(a - b) for a, b in zip(logprobs[:same], want_lp[:same], strict=True)]
         if producer is not None:
-            window_scores = next_token_scores(consumer, producer, prompt[:covered], KVState.cat(states),
+            window_scores = next_token_scores(consumer, producer, prompt[:covered], codes,
                                               prompt[covered:] + answers["own"][-1])
             for route, score in window_scores.items():
                 scores[route].append(score)

@@ -24,6 +24,7 @@ from scd_store.bench.vllm_server import (
     raw_reuse_config,
     scd_connector_config,
 )
+from scd_store.codecs.kv_state import KVState
 from scd_store.models.prepare import model_dir
 from scd_store.service import KVService
 from scd_store.store.build import open_store
@@ -125,6 +126,16 @@ class Deployment:
                 return len(hashes) * CHUNK
             time.sleep(0.25)
         raise TimeoutError(f"the producer's {len(hashes)} chunks were not stored within {timeout:.0f} s")
+
+    def stored_codes(self, consumer: str, tokens: list[int]) -> KVState:
+        """``consumer``'s decode of the stored codes of ``tokens`` (whole chunks, from position 0), as the servers
+        load them; raises when the store does not give them all (a score over other positions would be wrong)."""
+        states = self.store_service().get(consumer, chunk_hashes(tokens, CHUNK))
+        got = sum(s.num_tokens for s in states)
+        if not states or got != len(tokens):
+            raise RuntimeError(f"the store gave {got} of the {len(tokens)} stored tokens' codes for {consumer}; "
+                               "scores are made only where every chunk decodes")
+        return KVState.cat(states)
 
     def hit_bytes(self, prompt: list[int]) -> dict[str, int]:
         """Bytes a hit on ``prompt``'s stored chunks moves: codes and raw KV (fp16), from the stored blobs."""

@@ -21,12 +21,10 @@ from scd_store.adapters.transformers import LoadedModel
 from scd_store.bench.intervals import Interval
 from scd_store.bench.metrics import common_prefix
 from scd_store.bench.serve_agreement import consumer_agreement, prefix_states, scores_given
-from scd_store.bench.serving import CHUNK, ROUTES, Deployment
+from scd_store.bench.serving import ROUTES, Deployment
 from scd_store.cli.demo.prompts import REQUESTS, SYSTEM_PROMPT
 from scd_store.cli.tables import one_line
-from scd_store.codecs.kv_state import KVState
 from scd_store.paths import data_dir
-from scd_store.store.keys import chunk_hashes
 
 LABELS = {"own": "own prefill", "scd": "scd codes", "raw": "raw KV reuse"}
 CAPTION = ("next token: the fine-tune continued along its own answer from each route's prefix, against its own "
@@ -39,11 +37,7 @@ def serve_consumer(deployment: Deployment, consumer: LoadedModel, producer: Load
                    covered: int, new_tokens: int, console: Console) -> list[dict]:
     """Each of the consumer's demo requests, three ways; prints its table and answers."""
     server = deployment.servers[consumer.name]
-    states = deployment.store_service().get(consumer.name, chunk_hashes(prefix[:covered], CHUNK))
-    if sum(s.num_tokens for s in states) != covered:  # scoring other positions than the server loaded: refuse
-        raise RuntimeError(f"the store gave {sum(s.num_tokens for s in states)} of the shared prefix's {covered} "
-                           f"stored tokens for {consumer.name}; the demo scores codes only where it has them all")
-    codes = KVState.cat(states)
+    codes = deployment.stored_codes(consumer.name, prefix[:covered])
     own_state, raw_state = prefix_states(consumer, producer, prefix[:covered])
     rows = []
     requests = REQUESTS[consumer.name]
